@@ -1,0 +1,338 @@
+"""Measure the memory a function allocates: peak, end level and a timeline by phase.
+
+Example:
+    >>> import torch
+    >>> from ckpt_graph.memory import measure
+    >>> report = measure(torch.empty, 2**20, dtype=torch.uint8)
+    >>> report.peak_bytes, report.end_bytes
+    (1048576, 1048576)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from ckpt_graph._errors import CkptGraphError
+
+__all__ = ["MemoryPoint", "MemoryReport", "measure", "measure_with_result"]
+
+T = TypeVar("T")
+Phase = Literal["forward", "backward", "recompute"]
+
+_MIB = float(2**20)
+_MARKER = "ckpt_graph::measure"
+# Range-name prefixes that set the phase of the allocations they contain (innermost wins).
+_PHASE_PREFIXES: tuple[tuple[str, Phase], ...] = (
+    ("autograd::engine::evaluate_function:", "backward"),
+    ("ckpt_graph::recompute", "recompute"),
+)
+_PHASE_COLOURS: dict[str, str] = {
+    "forward": "tab:blue",
+    "backward": "tab:orange",
+    "recompute": "tab:green",
+}
+# CUDA devices being measured: the allocator's peak statistic is process-wide, so a second
+# measure() on the same device would reset the first one's peak.
+_CUDA_ACTIVE: set[int] = set()
+_CUDA_LOCK = threading.Lock()
+
+# Note [Measuring CPU memory]
+# 1. CPU memory is measured by replaying the allocator's own events: `measure` runs `fn` under
+#    `torch.profiler.profile(activities=[CPU], profile_memory=True)` (no shapes, no stacks) inside
+#    a `ckpt_graph::measure` range, and reads the event tree of the result. Every allocation and
+#    free of torch's CPU allocator is an event with its pointer, its size (negative on free) and
+#    a time; ranges (aten ops, autograd engine functions, `record_function` blocks) are events
+#    with a start and an end.
+# 2. The level starts at 0 and only tracks blocks allocated inside the range: a free whose
+#    pointer was not allocated in the range (a tensor created before the call and released
+#    during it) is ignored, so the level never goes below 0 and such frees never hide a peak.
+#    `end_bytes` is the level when `fn` returned, while its result was still referenced.
+# 3. Sizes are the bytes torch asked for (storage `nbytes`), not what the system allocator
+#    reserved: a 4-byte scalar counts 4, not its 64-byte aligned block. Peaks are therefore
+#    exact in storage bytes and independent of malloc's rounding and fragmentation.
+# 4. Phases are assigned by time containment in the ranges named in `_PHASE_PREFIXES`: the
+#    autograd engine opens `autograd::engine::evaluate_function: ...` for each backward node,
+#    and the realize step opens `ckpt_graph::recompute::<op>` around every recomputed op while
+#    the profiler is on. Ranges are swept in start order with a heap (O(n log n)), so an event
+#    gets the innermost range covering it; nothing covering it means "forward".
+# 5. `op` is the outermost `aten::` op enclosing the event on its own thread (the op the user,
+#    an autograd formula or the recompute called); the innermost one is nearly always a factory
+#    such as `aten::empty_strided`, which says nothing.
+# Known limitations: memory not obtained from torch's allocator is invisible (numpy arrays,
+# Python objects, buffers that libraries such as oneDNN allocate for themselves). Allocations
+# made by other threads during the call are counted (the allocator is process-wide) and get
+# their phase by time only. The profiler is process-wide too, so measure() cannot run while
+# another profiler (or another measure) is active: nesting raises CkptGraphError.
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    """One allocation or free seen during a measured call.
+
+    Attributes:
+        time_us: microseconds since the call started.
+        allocated_bytes: bytes allocated during the call and still live after this event.
+        delta_bytes: size of the block, positive for an allocation, negative for a free.
+        phase: "forward", "backward" or "recompute". See Note [Measuring CPU memory].
+        op: name of the aten op that allocated or freed the block, or "".
+    """
+
+    time_us: float
+    allocated_bytes: int
+    delta_bytes: int
+    phase: Phase
+    op: str
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Memory allocated by one call, relative to the level when the call started.
+
+    Holds no tensor: only numbers and strings.
+
+    Attributes:
+        peak_bytes: highest level reached while the call ran.
+        end_bytes: level when the call returned (its result included).
+        timeline: one point per allocation or free, in time order; empty on CUDA.
+        device: "cpu" or the CUDA device measured, e.g. "cuda:0".
+
+    Example:
+        >>> report = measure(lambda: torch.empty(1024, dtype=torch.uint8) + 1)
+        >>> report.peak_bytes
+        2048
+    """
+
+    peak_bytes: int
+    end_bytes: int
+    timeline: tuple[MemoryPoint, ...]
+    device: str = "cpu"
+
+    @property
+    def peak_by_phase(self) -> dict[str, int]:
+        """Highest level reached at an event of each phase present in the timeline."""
+        peaks: dict[str, int] = {}
+        for p in self.timeline:
+            peaks[p.phase] = max(peaks.get(p.phase, 0), p.allocated_bytes)
+        return peaks
+
+    def __str__(self) -> str:
+        rows = [("peak", self.peak_bytes), ("end", self.end_bytes)]
+        rows += [(f"peak in {phase}", peak) for phase, peak in self.peak_by_phase.items()]
+        lines = [f"MemoryReport on {self.device}, {len(self.timeline)} timeline points"]
+        lines += [f"  {name:<18} {n / _MIB:>10.3f} MiB {n:>14,d} B" for name, n in rows]
+        return "\n".join(lines)
+
+    def plot(self, path: str | os.PathLike[str]) -> None:
+        """Draw allocated memory over time to an image file, phases shaded.
+
+        Needs matplotlib (`pip install ckpt_graph[viz]`); draws without a display.
+
+        Example:
+            >>> measure(torch.ones, 1000).plot("memory.png")  # doctest: +SKIP
+        """
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+        except ImportError as e:
+            raise ImportError(
+                "ckpt_graph: MemoryReport.plot needs matplotlib; "
+                "install it with `pip install ckpt_graph[viz]`"
+            ) from e
+        fig = Figure(figsize=(8, 4))
+        FigureCanvasAgg(fig)  # headless: attaches an Agg canvas, no global backend change
+        ax = fig.add_subplot()
+        times = [0.0] + [p.time_us / 1000 for p in self.timeline]
+        levels = [0.0] + [p.allocated_bytes / _MIB for p in self.timeline]
+        ax.step(times, levels, where="post", color="black", linewidth=1)
+        labelled: set[str] = set()
+        for phase, start, end in _phase_spans(self.timeline):
+            label = None if phase in labelled else phase
+            labelled.add(phase)
+            ax.axvspan(
+                start / 1000, end / 1000, color=_PHASE_COLOURS[phase], alpha=0.2, label=label
+            )
+        ax.axhline(self.peak_bytes / _MIB, color="red", linestyle="--", linewidth=0.8, label="peak")
+        ax.set_xlabel("time (ms)")
+        ax.set_ylabel(f"allocated on {self.device} (MiB)")
+        ax.legend(loc="upper left")
+        fig.savefig(os.fspath(path))
+
+
+def _phase_spans(timeline: tuple[MemoryPoint, ...]) -> Iterator[tuple[str, float, float]]:
+    """Yields (phase, start_us, end_us) for each run of consecutive points in one phase."""
+    if not timeline:
+        return
+    phase, start = timeline[0].phase, timeline[0].time_us
+    for prev, p in itertools.pairwise(timeline):
+        if p.phase != phase:
+            yield phase, start, prev.time_us
+            phase, start = p.phase, p.time_us
+    yield phase, start, timeline[-1].time_us
+
+
+def measure(
+    fn: Callable[..., Any], *args: Any, device: str | torch.device = "cpu", **kwargs: Any
+) -> MemoryReport:
+    """Runs `fn(*args, **kwargs)` and reports the memory it allocated; its result is dropped.
+
+    `device="cpu"` replays the allocator's events (exact, with a timeline, see
+    Note [Measuring CPU memory]); a CUDA device uses `torch.cuda` statistics. `device` is
+    taken by `measure` itself: pass a `device=` meant for `fn` through a lambda.
+
+    Raises:
+        CkptGraphError: if a profiler (or another measure on the same device) is running.
+        ValueError: for a device that is neither CPU nor CUDA.
+
+    Example:
+        >>> def step():
+        ...     tmp = torch.empty(4096, dtype=torch.uint8)
+        ...     return torch.empty(1024, dtype=torch.uint8)
+        >>> r = measure(step)
+        >>> (r.peak_bytes, r.end_bytes)
+        (5120, 1024)
+    """
+    return measure_with_result(fn, *args, device=device, **kwargs)[1]
+
+
+def measure_with_result(
+    fn: Callable[..., T], *args: Any, device: str | torch.device = "cpu", **kwargs: Any
+) -> tuple[T, MemoryReport]:
+    """Like `measure`, but also returns `fn`'s result: `(result, report)`.
+
+    Example:
+        >>> out, r = measure_with_result(torch.zeros, 256, dtype=torch.uint8)
+        >>> out.shape, r.end_bytes
+        (torch.Size([256]), 256)
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return _measure_cuda(fn, args, kwargs, dev)
+    if dev.type != "cpu":
+        raise ValueError(f"measure: device must be 'cpu' or a CUDA device, got {device!r}")
+    if torch._C._autograd._profiler_enabled():
+        raise CkptGraphError(
+            "ckpt_graph: measure() cannot run while the PyTorch profiler is already enabled "
+            "(a nested measure() or an outer torch.profiler.profile); measure the outer call "
+            "only, or run it outside the profiler"
+        )
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    primer = torch.empty(1, dtype=torch.uint8)
+    with _quiet_stderr():
+        prof.start()
+        # The allocator warns once per process about freeing a block allocated before the
+        # profiler started; spend that warning here, where stderr is silenced.
+        del primer
+    try:
+        with record_function(_MARKER):
+            result = fn(*args, **kwargs)
+    finally:
+        with _quiet_stderr():
+            prof.stop()
+    results = prof.profiler.kineto_results if prof.profiler is not None else None
+    if results is None:
+        raise CkptGraphError("ckpt_graph: measure() got no results from the PyTorch profiler")
+    return result, _replay(results.experimental_event_tree())
+
+
+def _measure_cuda(
+    fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], dev: torch.device
+) -> tuple[T, MemoryReport]:
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    with _CUDA_LOCK:
+        if index in _CUDA_ACTIVE:
+            raise CkptGraphError(
+                f"ckpt_graph: measure() is already running on cuda:{index}; nested measures "
+                "would reset each other's peak statistics, so measure the outer call only"
+            )
+        _CUDA_ACTIVE.add(index)
+    try:
+        torch.cuda.synchronize(index)
+        torch.cuda.reset_peak_memory_stats(index)
+        start = torch.cuda.memory_allocated(index)
+        result = fn(*args, **kwargs)
+        torch.cuda.synchronize(index)
+        peak = torch.cuda.max_memory_allocated(index) - start
+        end = torch.cuda.memory_allocated(index) - start
+    finally:
+        with _CUDA_LOCK:
+            _CUDA_ACTIVE.discard(index)
+    return result, MemoryReport(peak, end, (), f"cuda:{index}")
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silences file descriptor 2, where the profiler's C++ side prints start/stop lines."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _replay(roots: list[Any]) -> MemoryReport:
+    """Replays the CPU allocation events inside the marker range. See Note [Measuring CPU memory]."""
+    allocs: list[tuple[int, int, int, str]] = []  # (time_ns, ptr, signed size, op)
+    ranges: list[tuple[int, int, Phase]] = []  # (start_ns, end_ns, phase)
+    window: tuple[int, int] | None = None
+    stack: list[tuple[Any, str]] = [(e, "") for e in roots]
+    while stack:
+        event, op = stack.pop()
+        fields = event.extra_fields
+        if isinstance(fields, torch._C._profiler._ExtraFields_Allocation):
+            if fields.device.type == "cpu" and fields.alloc_size != 0:
+                allocs.append((event.start_time_ns, fields.ptr, fields.alloc_size, op))
+            continue
+        name: str = event.name
+        if name == _MARKER and window is None:
+            window = (event.start_time_ns, event.end_time_ns)
+        for prefix, range_phase in _PHASE_PREFIXES:
+            if name.startswith(prefix):
+                ranges.append((event.start_time_ns, event.end_time_ns, range_phase))
+        child_op = op or (name if name.startswith("aten::") else "")
+        stack.extend((child, child_op) for child in event.children)
+    if window is None:
+        raise CkptGraphError("ckpt_graph: measure() found no events from the profiler")
+    start_ns, end_ns = window
+    allocs = sorted((a for a in allocs if start_ns <= a[0] <= end_ns), key=lambda a: a[0])
+    ranges.sort()
+
+    live: dict[int, int] = {}
+    level = peak = 0
+    points: list[MemoryPoint] = []
+    active: list[tuple[int, int, Phase]] = []  # heap keyed on -start: innermost range on top
+    next_range = 0
+    for time_ns, ptr, size, op in allocs:
+        if size > 0:
+            level -= live.get(ptr, 0)  # a reused pointer whose free was not reported
+            live[ptr] = size
+        else:
+            known = live.pop(ptr, None)
+            if known is None:
+                continue  # allocated before the call: ignored
+            size = -known
+        level += size
+        peak = max(peak, level)
+        while next_range < len(ranges) and ranges[next_range][0] <= time_ns:
+            r_start, r_end, r_phase = ranges[next_range]
+            heapq.heappush(active, (-r_start, r_end, r_phase))
+            next_range += 1
+        while active and active[0][1] < time_ns:
+            heapq.heappop(active)
+        phase: Phase = active[0][2] if active else "forward"
+        points.append(MemoryPoint((time_ns - start_ns) / 1000, level, size, phase, op))
+    return MemoryReport(peak, level, tuple(points), "cpu")
