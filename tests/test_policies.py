@@ -1,0 +1,528 @@
+"""Tests for ckpt_graph.policies built-ins: direct calls on a fake ctx, then end to end."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy
+
+import ckpt_graph
+from ckpt_graph import policies
+from ckpt_graph.policies import _modules
+
+aten = torch.ops.aten
+MUST_SAVE = CheckpointPolicy.MUST_SAVE
+PREFER_SAVE = CheckpointPolicy.PREFER_SAVE
+MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
+PREFER_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+PREFER_CPU_OFFLOAD = CheckpointPolicy.PREFER_CPU_OFFLOAD
+MUST_CPU_OFFLOAD = CheckpointPolicy.MUST_CPU_OFFLOAD
+
+HAS_ENGINE = hasattr(ckpt_graph, "save_recompute_policy")
+needs_engine = pytest.mark.skipif(not HAS_ENGINE, reason="needs the ckpt_graph engine")
+
+
+def fake_ctx(**overrides: Any) -> SimpleNamespace:
+    attrs: dict[str, Any] = dict(
+        region=None,
+        op_index=0,
+        out_bytes=64,
+        kept_bytes=0,
+        is_random=False,
+        is_inplace=False,
+        module_path="",
+        module=None,
+        flops=0,
+    )
+    attrs.update(overrides)
+    return SimpleNamespace(**attrs)
+
+
+def ask(policy: Any, op: Any, out: Any = None, *args: Any, **kwargs: Any) -> Any:
+    return policy(fake_ctx(), out, op, *args, **kwargs)
+
+
+class _OpLog(TorchDispatchMode):
+    """Records the aten ops a function dispatches (what the engine's recorder sees)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[Any] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def dispatched_ops(fn: Any, *args: Any) -> list[Any]:
+    with _OpLog() as log:
+        fn(*args)
+    return log.ops
+
+
+# ---------------------------------------------------------------- save_ops / recompute_ops
+
+
+@pytest.mark.parametrize(
+    ("given", "op", "expected"),
+    [
+        (aten.mm, aten.mm.default, MUST_SAVE),
+        (aten.mm, aten.mm.out, MUST_SAVE),
+        (aten.mm.default, aten.mm.default, MUST_SAVE),
+        (aten.mm.default, aten.mm.out, PREFER_RECOMPUTE),
+        (aten.mm, aten.addmm.default, PREFER_RECOMPUTE),
+        (aten.add.Tensor, aten.add.Scalar, PREFER_RECOMPUTE),
+    ],
+)
+def test_save_ops_matches_overload_or_packet(given: Any, op: Any, expected: Any) -> None:
+    assert ask(policies.save_ops(given), op) is expected
+
+
+def test_save_ops_rest_none_abstains() -> None:
+    policy = policies.save_ops(aten.mm, rest=None)
+    assert ask(policy, aten.mm.default) is MUST_SAVE
+    assert ask(policy, aten.relu.default) is None
+
+
+@pytest.mark.parametrize("bad", [torch.mm, "aten.mm", 3])
+def test_save_ops_rejects_non_aten_ops(bad: Any) -> None:
+    with pytest.raises(
+        TypeError, match=r"save_ops: expected aten ops such as torch\.ops\.aten\.mm"
+    ):
+        policies.save_ops(bad)
+
+
+@pytest.mark.parametrize(
+    ("must", "match_answer"), [(False, PREFER_RECOMPUTE), (True, MUST_RECOMPUTE)]
+)
+def test_recompute_ops(must: bool, match_answer: Any) -> None:
+    policy = policies.recompute_ops(aten.gelu, aten.relu.default, must=must)
+    assert ask(policy, aten.gelu.default) is match_answer
+    assert ask(policy, aten.relu.default) is match_answer
+    assert ask(policy, aten.relu_.default) is None
+    assert ask(policy, aten.mm.default) is None
+
+
+# ---------------------------------------------------------------- save_matmuls
+
+_x = torch.randn(2, 3, 8, dtype=torch.float64)
+_w = torch.randn(5, 8, dtype=torch.float64)
+_img = torch.randn(1, 2, 6, 6, dtype=torch.float64)
+_kernel = torch.randn(3, 2, 3, 3, dtype=torch.float64)
+_q = torch.randn(1, 2, 4, 8)
+
+
+@pytest.mark.parametrize(
+    ("fn", "args"),
+    [
+        (lambda x, w: F.linear(x, w), (_x, _w)),
+        (lambda x, w: F.linear(x, w, torch.ones(5, dtype=torch.float64)), (_x, _w)),
+        (lambda x, w: x @ w.t(), (_x, _w)),
+        (lambda x, w: torch.baddbmm(x[..., :3], x, x.transpose(1, 2)), (_x, _w)),
+        (lambda i, k: F.conv2d(i, k), (_img, _kernel)),
+        (lambda i, k: F.conv_transpose2d(i, k.transpose(0, 1)), (_img, _kernel)),
+        (lambda q: F.scaled_dot_product_attention(q, q, q), (_q,)),
+    ],
+    ids=["linear", "linear_bias", "matmul_3d", "baddbmm", "conv2d", "conv_transpose2d", "sdpa"],
+)
+def test_save_matmuls_keeps_the_heavy_op_and_recomputes_the_rest(fn: Any, args: Any) -> None:
+    ops = dispatched_ops(fn, *args)
+    answers = [ask(policies.save_matmuls(), op) for op in ops]
+    assert MUST_SAVE in answers, ops
+    assert set(answers) <= {MUST_SAVE, PREFER_RECOMPUTE}
+    kept = [str(op) for op, a in zip(ops, answers, strict=True) if a is MUST_SAVE]
+    assert not any(name.startswith(("aten.view", "aten.t.", "aten._to_copy")) for name in kept)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [torch.relu, torch.sigmoid, lambda t: t + 1, lambda t: t.sum(), lambda t: t.transpose(0, 1)],
+)
+def test_save_matmuls_recomputes_cheap_ops(fn: Any) -> None:
+    ops = dispatched_ops(fn, _x)
+    assert ops
+    assert all(ask(policies.save_matmuls(), op) is PREFER_RECOMPUTE for op in ops)
+
+
+# ---------------------------------------------------------------- offload
+
+
+@pytest.mark.parametrize(
+    ("must", "answer"), [(False, PREFER_CPU_OFFLOAD), (True, MUST_CPU_OFFLOAD)]
+)
+def test_offload_passes_everything_to_select(must: bool, answer: Any) -> None:
+    seen: list[Any] = []
+
+    def select(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+        seen.append((ctx, out, op, args, kwargs))
+        return bool(ctx.out_bytes >= 100)
+
+    policy = policies.offload(select, must=must)
+    big, small = fake_ctx(out_bytes=100), fake_ctx(out_bytes=99)
+    out = torch.ones(2)
+    assert policy(big, out, aten.add.Tensor, out, 2, alpha=3) is answer
+    assert policy(small, out, aten.add.Tensor) is None
+    assert seen[0] == (big, out, aten.add.Tensor, (out, 2), {"alpha": 3})
+    assert seen[1][0] is small
+
+
+def test_offload_rejects_non_callable() -> None:
+    with pytest.raises(TypeError, match="offload: select must be a callable"):
+        policies.offload(True)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- composition
+
+
+def _const(answer: Any) -> Any:
+    def policy(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return answer
+
+    return policy
+
+
+@pytest.mark.parametrize(
+    ("answers", "expected"),
+    [
+        ((None, PREFER_SAVE, MUST_RECOMPUTE), PREFER_SAVE),
+        ((MUST_RECOMPUTE, MUST_SAVE), MUST_RECOMPUTE),
+        ((None, True), MUST_SAVE),
+        ((False, MUST_SAVE), PREFER_RECOMPUTE),
+        ((None, None), None),
+    ],
+)
+def test_first_answer(answers: Any, expected: Any) -> None:
+    assert ask(policies.first_answer(*map(_const, answers)), aten.mm.default) is expected
+
+
+def test_first_answer_stops_at_the_first_answer() -> None:
+    calls: list[str] = []
+
+    def spy(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append("spy")
+
+    policy = policies.first_answer(policies.save_ops(aten.mm, rest=None), spy)
+    assert ask(policy, aten.mm.default) is MUST_SAVE
+    assert calls == []
+    assert ask(policy, aten.relu.default) is None
+    assert calls == ["spy"]
+
+
+@pytest.mark.parametrize(
+    ("answers", "expected"),
+    [
+        ((PREFER_RECOMPUTE, PREFER_SAVE, MUST_SAVE), MUST_SAVE),
+        ((PREFER_RECOMPUTE, True), MUST_SAVE),
+        ((MUST_RECOMPUTE, PREFER_SAVE), PREFER_SAVE),
+        ((None, PREFER_CPU_OFFLOAD, PREFER_RECOMPUTE), PREFER_CPU_OFFLOAD),
+        ((None, False), PREFER_RECOMPUTE),
+        ((None, None), None),
+    ],
+)
+def test_any_save(answers: Any, expected: Any) -> None:
+    assert ask(policies.any_save(*map(_const, answers)), aten.mm.default) is expected
+
+
+def test_any_save_keeps_the_union_of_selections() -> None:
+    policy = policies.any_save(policies.save_ops(aten.mm), policies.save_ops(aten.relu))
+    assert ask(policy, aten.mm.default) is MUST_SAVE
+    assert ask(policy, aten.relu.default) is MUST_SAVE
+    assert ask(policy, aten.gelu.default) is PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("combinator", [policies.first_answer, policies.any_save])
+def test_combinators_reject_bad_policies(combinator: Any) -> None:
+    with pytest.raises(ValueError, match="needs at least one policy"):
+        combinator()
+    with pytest.raises(TypeError, match="expected a policy"):
+        combinator(policies.save_matmuls(), 3)
+
+
+_HAS_NAMED = hasattr(getattr(policies, "_core", None), "resolve_policy")
+
+
+@pytest.mark.skipif(not _HAS_NAMED, reason="needs string policy names from policies._core")
+@pytest.mark.parametrize(
+    ("name", "expected"), [("recompute_all", PREFER_RECOMPUTE), ("must_save_all", MUST_SAVE)]
+)
+def test_combinators_accept_string_names(name: str, expected: Any) -> None:
+    policy = policies.first_answer(policies.save_ops(aten.mm, rest=None), name)
+    assert ask(policy, aten.mm.default) is MUST_SAVE
+    assert ask(policy, aten.relu.default) is expected
+    assert name in repr(policy)
+
+
+# ---------------------------------------------------------------- from_torch_sac
+
+
+def test_from_torch_sac_function_gets_a_torch_style_ctx() -> None:
+    seen: list[Any] = []
+
+    def sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append((ctx.is_recompute, ctx.op_output, op, args, kwargs))
+        return op == aten.mm.default
+
+    policy = policies.from_torch_sac(sac_policy)
+    out = torch.zeros(1)
+    assert policy(fake_ctx(), out, aten.mm.default, 1, k=2) is True
+    assert policy(fake_ctx(), out, aten.relu.default) is False
+    assert seen[0] == (False, out, aten.mm.default, (1,), {"k": 2})
+
+
+def test_from_torch_sac_op_list_means_what_torch_means() -> None:
+    # torch: "equivalent to a policy returning MUST_SAVE for the specified operations and
+    # PREFER_RECOMPUTE for all other operations"
+    policy = policies.from_torch_sac([aten.mm.default, aten.addmm.default])
+    assert ask(policy, aten.mm.default) is MUST_SAVE
+    assert ask(policy, aten.addmm.default) is MUST_SAVE
+    assert ask(policy, aten.mm.out) is PREFER_RECOMPUTE
+    assert ask(policy, aten.relu.default) is PREFER_RECOMPUTE
+
+
+def test_from_torch_sac_rejects_other_things() -> None:
+    with pytest.raises(TypeError, match="from_torch_sac: expected a SAC policy function"):
+        policies.from_torch_sac(3)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- repr
+
+
+def _select_big(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+    return True
+
+
+@pytest.mark.parametrize(
+    ("policy", "text"),
+    [
+        (
+            lambda: policies.save_ops(aten.mm, aten.addmm.default),
+            "save_ops(aten.mm, aten.addmm.default)",
+        ),
+        (lambda: policies.save_ops(aten.mm, rest=None), "save_ops(aten.mm, rest=None)"),
+        (
+            lambda: policies.recompute_ops(aten.gelu, must=True),
+            "recompute_ops(aten.gelu, must=True)",
+        ),
+        (lambda: policies.save_matmuls(), "save_matmuls()"),
+        (lambda: policies.offload(_select_big), "offload(_select_big)"),
+        (
+            lambda: policies.first_answer(
+                policies.save_matmuls(), policies.recompute_ops(aten.relu)
+            ),
+            "first_answer(save_matmuls(), recompute_ops(aten.relu))",
+        ),
+        (lambda: policies.any_save(policies.save_matmuls()), "any_save(save_matmuls())"),
+        (lambda: policies.from_torch_sac([aten.mm.default]), "from_torch_sac([aten.mm.default])"),
+        (lambda: policies.from_torch_sac(_select_big), "from_torch_sac(_select_big)"),
+        (lambda: policies.save_module_outputs("layers.*"), "save_module_outputs('layers.*')"),
+        (lambda: policies.save_module_outputs(nn.Linear), "save_module_outputs(Linear)"),
+        (lambda: policies.save_module_outputs((nn.Linear,)), "save_module_outputs((Linear,))"),
+    ],
+)
+def test_repr_names_the_policy(policy: Any, text: str) -> None:
+    assert repr(policy()) == text
+
+
+# ---------------------------------------------------------------- save_module_outputs
+
+
+@pytest.mark.parametrize(
+    ("pattern", "name", "expected"),
+    [
+        ("layers.*", "layers.0", True),
+        ("layers.*", "layers.0.mlp", False),
+        ("layers.*", "layers", False),
+        ("layers.**", "layers.0.mlp", True),
+        ("**.mlp", "mlp", True),
+        ("**.mlp", "layers.3.mlp", True),
+        ("**.mlp", "layers.3.mlp.fc", False),
+        ("layers.[0-1].mlp", "layers.1.mlp", True),
+        ("layers.[0-1].mlp", "layers.2.mlp", False),
+        ("layers.?", "layers.10", False),
+        ("head", "head", True),
+        ("", "", True),
+        ("", "head", False),
+    ],
+)
+def test_name_patterns(pattern: str, name: str, expected: bool) -> None:
+    assert _modules._glob(_modules._split(pattern), _modules._split(name)) is expected
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, width: int = 8, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(torch.tanh(x))
+
+
+def _tagged_by(policy: Any, model: nn.Module, x: torch.Tensor, monkeypatch: Any) -> Any:
+    """Run model with the policy's hooks active; return what it tagged and each module's output."""
+    tagged: list[Any] = []
+    monkeypatch.setattr(_modules, "_tag_outputs", tagged.append)
+    outputs: dict[str, torch.Tensor] = {}
+    handles = [
+        m.register_forward_hook(lambda m, a, o, name=name: outputs.__setitem__(name, o))
+        for name, m in model.named_modules()
+    ]
+    policy.on_region_enter(None)
+    try:
+        model(x)
+    finally:
+        policy.on_region_exit(None)
+        for h in handles:
+            h.remove()
+    return tagged, outputs
+
+
+@pytest.mark.parametrize(
+    ("match", "names"),
+    [
+        ("layers.*", ["layers.0", "layers.1", "layers.2", "layers.3"]),
+        ("**.mlp", ["layers.0.mlp", "layers.1.mlp", "layers.2.mlp", "layers.3.mlp"]),
+        ("layers.2.mlp.0", ["layers.2.mlp.0"]),
+        ("**.norm", ["layers.0.norm", "layers.1.norm", "layers.2.norm", "layers.3.norm"]),
+        (Block, ["layers.0", "layers.1", "layers.2", "layers.3"]),
+        ((nn.LayerNorm, nn.GELU), [f"layers.{i}.{s}" for i in range(4) for s in ("norm", "mlp.1")]),
+        (
+            lambda name, m: isinstance(m, Block) and int(name.split(".")[-1]) % 2 == 0,
+            ["layers.0", "layers.2"],
+        ),
+        ("", [""]),
+        ("head", ["head"]),
+    ],
+)
+def test_save_module_outputs_selects_modules(
+    match: Any, names: list[str], monkeypatch: Any
+) -> None:
+    torch.manual_seed(0)
+    model = Stack()
+    tagged, outputs = _tagged_by(
+        policies.save_module_outputs(match), model, torch.randn(2, 8), monkeypatch
+    )
+    assert [id(t) for t in tagged] == [id(outputs[n]) for n in names]
+
+
+def test_save_module_outputs_names_agree_with_named_modules(monkeypatch: Any) -> None:
+    seen: list[str] = []
+
+    def record(name: str, module: nn.Module) -> bool:
+        seen.append(name)
+        return False
+
+    model = Stack()
+    _tagged_by(policies.save_module_outputs(record), model, torch.randn(2, 8), monkeypatch)
+    called = [name for name, m in model.named_modules() if not isinstance(m, nn.ModuleList)]
+    assert sorted(seen) == sorted(called)
+
+
+def test_save_module_outputs_answers_prefer_recompute_for_every_op() -> None:
+    policy = policies.save_module_outputs(Block)
+    for op in dispatched_ops(Stack(), torch.randn(2, 8)):
+        assert ask(policy, op) is PREFER_RECOMPUTE
+
+
+def test_save_module_outputs_adopts_ctx_module_path(monkeypatch: Any) -> None:
+    # The policy is pushed from inside a block's forward: its own naming would call the block
+    # "", the engine's ctx.module_path says "layers.1"; the engine's name wins.
+    policy = policies.save_module_outputs("layers.1.mlp")
+    tagged: list[Any] = []
+    monkeypatch.setattr(_modules, "_tag_outputs", tagged.append)
+    block = Block(8)
+    model = nn.Module()
+    model.layers = nn.ModuleList([Block(8), block])
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        policy(fake_ctx(module=block, module_path="layers.1"), None, aten.add.Tensor)
+        return block.mlp(x)
+
+    policy.on_region_enter(None)
+    try:
+        policy._state().stack.append([block, ""])  # as if the pre-hook had seen the block
+        out = forward(torch.randn(2, 8))
+    finally:
+        policy.on_region_exit(None)
+    assert len(tagged) == 1 and tagged[0] is out
+
+
+def test_save_module_outputs_hooks_are_removed_and_thread_local(monkeypatch: Any) -> None:
+    before = (
+        len(nn.modules.module._global_forward_pre_hooks),
+        len(nn.modules.module._global_forward_hooks),
+    )
+    tagged: list[Any] = []
+    monkeypatch.setattr(_modules, "_tag_outputs", tagged.append)
+    policy = policies.save_module_outputs(nn.Linear)
+    layer = nn.Linear(2, 2)
+    x = torch.randn(1, 2)
+    policy.on_region_enter("outer")
+    policy.on_region_enter("inner")  # nested use keeps one set of hooks
+    assert len(nn.modules.module._global_forward_hooks) == before[1] + 1
+    policy.on_region_exit("inner")
+    thread = threading.Thread(target=layer, args=(x,))
+    thread.start()
+    thread.join()
+    assert tagged == []  # another thread's module calls are not this region's
+    layer(x)
+    assert len(tagged) == 1
+    policy.on_region_exit("outer")
+    layer(x)
+    assert len(tagged) == 1
+    after = (
+        len(nn.modules.module._global_forward_pre_hooks),
+        len(nn.modules.module._global_forward_hooks),
+    )
+    assert after == before
+
+
+def test_save_module_outputs_survives_a_forward_that_raises(monkeypatch: Any) -> None:
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("boom")
+
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.boom = Boom()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with contextlib.suppress(RuntimeError):
+                self.boom(x)
+            return self.lin(x)
+
+    model = Parent()
+    tagged, outputs = _tagged_by(
+        policies.save_module_outputs("lin"), model, torch.randn(1, 2), monkeypatch
+    )
+    assert [id(t) for t in tagged] == [id(outputs["lin"])]
+
+
+@pytest.mark.parametrize("bad", [int, (nn.Linear, int), (), 3])
+def test_save_module_outputs_rejects_bad_match(bad: Any) -> None:
+    with pytest.raises(TypeError, match="save_module_outputs: "):
+        policies.save_module_outputs(bad)
