@@ -46,6 +46,12 @@ _PHASE_COLOURS: dict[str, str] = {
 # measure() on the same device would reset the first one's peak.
 _CUDA_ACTIVE: set[int] = set()
 _CUDA_LOCK = threading.Lock()
+_PROFILER_LOCK = threading.Lock()
+_PROFILER_BUSY = (
+    "ckpt_graph: measure() cannot run while the PyTorch profiler is already enabled "
+    "(a nested or concurrent measure() in any thread, or a torch.profiler.profile); "
+    "measure the outer call only, or run the measurements one after the other"
+)
 
 # Note [Measuring CPU memory]
 # 1. CPU memory is measured by replaying the allocator's own events: `measure` runs `fn` under
@@ -220,12 +226,21 @@ def measure_with_result(
         return _measure_cuda(fn, args, kwargs, dev)
     if dev.type != "cpu":
         raise ValueError(f"measure: device must be 'cpu' or a CUDA device, got {device!r}")
-    if torch._C._autograd._profiler_enabled():
-        raise CkptGraphError(
-            "ckpt_graph: measure() cannot run while the PyTorch profiler is already enabled "
-            "(a nested measure() or an outer torch.profiler.profile); measure the outer call "
-            "only, or run it outside the profiler"
-        )
+    # The profiler is process-wide, and two sessions started from different threads crash the
+    # process: hold a lock, and refuse to start while a profiler runs in any thread.
+    if not _PROFILER_LOCK.acquire(blocking=False):
+        raise CkptGraphError(_PROFILER_BUSY)
+    try:
+        if torch.autograd.profiler._is_profiler_enabled or torch._C._autograd._profiler_enabled():
+            raise CkptGraphError(_PROFILER_BUSY)
+        return _measure_cpu(fn, args, kwargs)
+    finally:
+        _PROFILER_LOCK.release()
+
+
+def _measure_cpu(
+    fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[T, MemoryReport]:
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     primer = torch.empty(1, dtype=torch.uint8)
     with _quiet_stderr():
@@ -248,6 +263,11 @@ def measure_with_result(
 def _measure_cuda(
     fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], dev: torch.device
 ) -> tuple[T, MemoryReport]:
+    if not torch.cuda.is_available():
+        raise CkptGraphError(
+            f"ckpt_graph: measure(device={str(dev)!r}) needs CUDA, which is not available; "
+            "use device='cpu'"
+        )
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     with _CUDA_LOCK:
         if index in _CUDA_ACTIVE:

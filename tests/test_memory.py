@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 from pathlib import Path
 
@@ -168,6 +169,35 @@ def test_nested_measure_raises_and_outer_still_works() -> None:
         measure(inner)
 
 
+def test_concurrent_measure_in_another_thread_raises() -> None:
+    # Two profiler sessions started from two threads crash the process: the second must refuse.
+    started, done = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        started.wait(timeout=30)
+        try:
+            measure(_block, MIB)
+        except CkptGraphError as e:
+            errors.append(e)
+        finally:
+            done.set()
+
+    def fn() -> torch.Tensor:
+        out = _block(MIB)
+        started.set()
+        done.wait(timeout=30)
+        return out
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    report = measure(fn)
+    thread.join()
+    assert len(errors) == 1
+    assert "concurrent measure() in any thread" in str(errors[0])
+    assert report.peak_bytes == report.end_bytes == MIB
+
+
 def test_exception_in_fn_propagates_and_profiler_stops() -> None:
     def boom() -> None:
         _block(MIB)
@@ -190,6 +220,12 @@ def test_profiler_output_is_silenced(capfd: pytest.CaptureFixture[str]) -> None:
 def test_bad_device_raises() -> None:
     with pytest.raises(ValueError, match="device must be 'cpu' or a CUDA device"):
         measure(_block, MIB, device="meta")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_cuda_without_cuda_raises() -> None:
+    with pytest.raises(CkptGraphError, match=r"^ckpt_graph: measure\(device='cuda'\) needs CUDA"):
+        measure(_block, MIB, device="cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
