@@ -1,0 +1,10 @@
+"""``python -m ckpt_graph compare``: see :mod:`ckpt_graph.cli`."""
+
+from __future__ import annotations
+
+import sys
+
+from ckpt_graph.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

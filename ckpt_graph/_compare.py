@@ -1,0 +1,481 @@
+"""Strategies and runs behind ``ckpt-graph compare``; :func:`run_comparison` is the entry point.
+
+Example:
+    >>> from ckpt_graph._compare import run_comparison
+    >>> results = run_comparison("mlp", layers=2, width=16, batch=4, repeat=1,
+    ...                          strategies=["none", "torch-ckpt"])
+    >>> [r.strategy for r in results]
+    ['none', 'torch-ckpt']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from ckpt_graph.zoo import Workload, build_workload
+
+aten = torch.ops.aten
+
+# (name, description) in display order; DEFAULT_STRATEGIES is all of them.
+STRATEGIES: dict[str, str] = {
+    "none": "no checkpointing",
+    "torch-ckpt": "torch.utils.checkpoint (non-reentrant) per block",
+    "torch-sac": "torch selective checkpointing per block, saving matmuls",
+    "torch-sqrt": "torch.utils.checkpoint over groups of k=sqrt(N) blocks",
+    "cg-block": "ckpt_graph region per block, recompute_all",
+    "cg-sqrt": "ckpt_graph one region, every k=sqrt(N)-th block output kept",
+    "cg-matmuls": "ckpt_graph one region, policies.save_matmuls()",
+    "cg-budget": "ckpt_graph one region, policies.memory_budget(0.5)",
+}
+DEFAULT_STRATEGIES: tuple[str, ...] = tuple(STRATEGIES)
+
+# Ops kept by the torch-sac strategy: matmuls, convolutions and fused attention, the same
+# families as ckpt_graph.policies.save_matmuls so that torch-sac and cg-matmuls keep the same
+# values and differ only in how they recompute the rest.
+_MATMUL_OP_NAMES = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "addbmm",
+    "_int_mm",
+    "_scaled_mm",
+    "convolution",
+    "_convolution",
+    "mkldnn_convolution",
+    "cudnn_convolution",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+_MATMUL_OPS = frozenset(getattr(aten, n) for n in _MATMUL_OP_NAMES if hasattr(aten, n))
+
+
+@dataclass(frozen=True)
+class StrategyResult:
+    """Figures of one strategy on one workload; ratios are relative to ``none`` in the same run.
+
+    Attributes:
+        strategy: strategy name (a key of :data:`STRATEGIES`).
+        status: ``"ok"``, ``"skipped"`` (not available here) or ``"failed"`` (raised).
+        note: why it was skipped or failed, or a remark; ``""`` otherwise.
+        peak_bytes: peak memory of one training step as measured by ``ckpt_graph.memory``.
+        peak_ratio: ``peak_bytes`` / that of ``none``.
+        step_time_s: median step time over the timed repeats (forward + backward).
+        step_times_s: every timed step.
+        time_ratio: ``step_time_s`` / that of ``none``.
+        extra_ops: aten ops run in one step beyond those of ``none`` (the recomputed ops).
+        extra_flops: FLOPs beyond those of ``none`` (the recompute FLOPs; matmuls, convolutions
+            and attention only).
+        max_grad_diff: max |grad - grad of none| over all parameters (0.0 means bitwise equal).
+        max_buffer_diff: the same for buffers after the step (e.g. BatchNorm running stats).
+    """
+
+    strategy: str
+    status: str
+    note: str = ""
+    peak_bytes: int | None = None
+    peak_ratio: float | None = None
+    step_time_s: float | None = None
+    step_times_s: tuple[float, ...] = ()
+    time_ratio: float | None = None
+    extra_ops: int | None = None
+    extra_flops: int | None = None
+    max_grad_diff: float | None = None
+    max_buffer_diff: float | None = None
+
+    def __str__(self) -> str:
+        if self.status != "ok":
+            return f"{self.strategy}: {self.status} ({self.note})"
+        mib = "-" if self.peak_bytes is None else f"{self.peak_bytes / 2**20:.1f} MiB"
+        ms = "-" if self.step_time_s is None else f"{self.step_time_s * 1e3:.1f} ms"
+        return f"{self.strategy}: peak {mib}, step {ms}, max |grad diff| {self.max_grad_diff}"
+
+
+class StrategySkipped(Exception):
+    """A strategy cannot run here (missing module or unsupported model); the message says why."""
+
+
+# A strategy maps a workload to a function running one forward under that strategy.
+_Forward = Callable[[], object]
+
+
+@contextlib.contextmanager
+def _patched_forwards(
+    blocks: Sequence[torch.nn.Module],
+    wrap: Callable[[int, Callable[..., Any]], Callable[..., Any] | None],
+) -> Iterator[None]:
+    # Note [Patching block forwards]
+    # Strategies act on the model's own blocks by shadowing each block's bound `forward` with an
+    # instance attribute for the duration of one forward. Parameter names, hooks and weights stay
+    # untouched, so every strategy runs the very same modules, and HF layers (keyword arguments,
+    # tuple outputs) work too. `wrap(i, orig)` returns the new forward, or None to keep it.
+    patched = []
+    try:
+        for i, block in enumerate(blocks):
+            new = wrap(i, block.forward)
+            if new is not None:
+                block.forward = new  # type: ignore[method-assign]
+                patched.append(block)
+        yield
+    finally:
+        for block in patched:
+            del block.forward
+
+
+def _core() -> Any:
+    import ckpt_graph as cg
+
+    if not all(hasattr(cg, n) for n in ("save_recompute_policy", "tag_with_policy")):
+        raise StrategySkipped("ckpt_graph core (save_recompute_policy) not importable")
+    return cg
+
+
+def _policy(factory: str, *args: object) -> object:
+    try:
+        from ckpt_graph import policies
+    except ImportError:
+        raise StrategySkipped("ckpt_graph.policies not importable") from None
+    fn = getattr(policies, factory, None)
+    if fn is None:
+        raise StrategySkipped(f"ckpt_graph.policies.{factory} does not exist yet")
+    return fn(*args)
+
+
+def _sqrt_k(n: int) -> int:
+    return max(1, round(math.sqrt(n)))
+
+
+def _first_tensor(out: object) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+def _packet(op: object) -> object:
+    return getattr(op, "_overloadpacket", op)
+
+
+def _sac_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    return (
+        CheckpointPolicy.MUST_SAVE
+        if _packet(op) in _MATMUL_OPS
+        else CheckpointPolicy.PREFER_RECOMPUTE
+    )
+
+
+def make_forward(name: str, w: Workload) -> _Forward:
+    """Return a function running one forward of ``w`` under strategy ``name``.
+
+    Raises:
+        StrategySkipped: the strategy needs something missing here.
+        ValueError: unknown strategy.
+    """
+    model, blocks, inputs = w.model, w.blocks, w.inputs
+
+    def plain() -> object:
+        return model(*inputs)
+
+    def per_block(wrap: Callable[[int, Callable[..., Any]], Callable[..., Any] | None]) -> _Forward:
+        def forward() -> object:
+            with _patched_forwards(blocks, wrap):
+                return model(*inputs)
+
+        return forward
+
+    if name == "none":
+        return plain
+    if name == "torch-ckpt":
+        return per_block(lambda i, f: functools.partial(checkpoint, f, use_reentrant=False))
+    if name == "torch-sac":
+        ctx_fn = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
+        return per_block(
+            lambda i, f: functools.partial(checkpoint, f, use_reentrant=False, context_fn=ctx_fn)
+        )
+    if name == "torch-sqrt":
+        if not w.blocks_are_plain:
+            raise StrategySkipped(f"{w.name} blocks are not tensor -> tensor; cannot group them")
+        k = _sqrt_k(len(blocks))
+
+        def group_wrap(i: int, f: Callable[..., Any]) -> Callable[..., Any]:
+            if i % k:
+                return lambda h: h  # run by the group's first block
+            group = [b.forward for b in blocks[i : i + k]]
+
+            def run_group(h: torch.Tensor) -> torch.Tensor:
+                for fwd in group:
+                    h = fwd(h)
+                return h
+
+            return functools.partial(checkpoint, run_group, use_reentrant=False)
+
+        return per_block(group_wrap)
+    if name == "cg-block":
+        cg = _core()
+
+        def region_wrap(i: int, f: Callable[..., Any]) -> Callable[..., Any]:
+            def fwd(*args: object, **kwargs: object) -> object:
+                with cg.save_recompute_policy(policy="recompute_all"):
+                    return f(*args, **kwargs)
+
+            return fwd
+
+        return per_block(region_wrap)
+    if name in ("cg-sqrt", "cg-matmuls", "cg-budget"):
+        cg = _core()
+        if name == "cg-sqrt":
+            policy: object = "recompute_all"
+            k = _sqrt_k(len(blocks))
+        else:
+            policy = (
+                _policy("save_matmuls") if name == "cg-matmuls" else _policy("memory_budget", 0.5)
+            )
+            k = 0
+
+        def tag_wrap(i: int, f: Callable[..., Any]) -> Callable[..., Any] | None:
+            if k == 0 or (i + 1) % k or i + 1 == len(blocks):
+                return None
+
+            def fwd(*args: object, **kwargs: object) -> object:
+                out = f(*args, **kwargs)
+                h = _first_tensor(out)
+                if h is not None:
+                    cg.tag_with_policy(h, True)
+                return out
+
+            return fwd
+
+        def one_region() -> object:
+            with _patched_forwards(blocks, tag_wrap), cg.save_recompute_policy(policy=policy):
+                return model(*inputs)
+
+        return one_region
+    raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+
+
+def _step(w: Workload, forward: _Forward) -> None:
+    for p in w.model.parameters():
+        p.grad = None
+    w.loss(forward()).backward()
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts aten ops and their FLOPs (where torch's flop counter knows a formula)."""
+
+    _FREE = frozenset({aten.detach.default, aten.alias.default, aten.lift_fresh.default})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.flops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func not in self._FREE:
+            self.ops += 1
+        if func is aten._scaled_dot_product_flash_attention_for_cpu.default:
+            self.flops += sdpa_flop_count(*(a.shape for a in args[:3]))
+        elif func is aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+            self.flops += sdpa_backward_flop_count(*(a.shape for a in args[:4]))
+        else:
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                self.flops += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+def _max_diff(a: Sequence[torch.Tensor | None], b: Sequence[torch.Tensor | None]) -> float:
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                return math.inf
+            continue
+        if x.is_floating_point():
+            d = (x.double() - y.double()).abs().max().item() if x.numel() else 0.0
+        else:
+            d = float((x != y).any().item())
+        worst = max(worst, d)
+    return worst
+
+
+def run_comparison(
+    model: str = "gpt",
+    *,
+    layers: int | None = None,
+    width: int | None = None,
+    batch: int | None = None,
+    seq_len: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    strategies: Sequence[str] = DEFAULT_STRATEGIES,
+    repeat: int = 3,
+    seed: int = 0,
+    count_ops: bool = True,
+    measure: Callable[..., Any] | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[StrategyResult]:
+    """Run one training step of a workload under each strategy and compare them with ``none``.
+
+    Every strategy runs the same model and weights (state restored before each measured step)
+    with the same seed: one warm-up step, one step under ``measure`` (peak memory, gradients,
+    buffers), optionally one step under an op counter, then ``repeat`` timed steps interleaved
+    round-robin across strategies so that time ratios are measured side by side.
+
+    Args:
+        model, layers, width, batch, seq_len, dtype, device: the workload (see
+            :func:`ckpt_graph.zoo.build_workload`).
+        strategies: names from :data:`STRATEGIES`; ``none`` is always run first as the reference.
+        repeat: timed steps per strategy (the median is reported).
+        seed: seed for weights, batch and every step.
+        count_ops: also count the aten ops and FLOPs of one step (extra_ops / extra_flops).
+        measure: ``measure(fn, device=device) -> report`` with ``report.peak_bytes``; default
+            ``ckpt_graph.memory.measure`` (peak memory is left out when it is not importable).
+        progress: called as ``progress(done, total, label)`` while running.
+
+    Returns:
+        One :class:`StrategyResult` per strategy, ``none`` first.
+
+    Raises:
+        ValueError: unknown strategy or repeat < 1.
+        ckpt_graph.zoo.WorkloadError: the workload cannot be built.
+    """
+    names = ["none", *(s for s in dict.fromkeys(strategies) if s != "none")]
+    unknown = [s for s in names if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+    if repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {repeat}")
+    if measure is None:
+        try:
+            from ckpt_graph import memory
+
+            measure = memory.measure
+        except ImportError:
+            measure = None
+    w = build_workload(
+        model,
+        layers=layers,
+        width=width,
+        batch=batch,
+        seq_len=seq_len,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+    )
+    initial = {k: v.clone() for k, v in w.model.state_dict().items()}
+    params = list(w.model.parameters())
+    total = len(names) * (3 if count_ops else 2) + len(names) * repeat
+    done = 0
+
+    def tick(label: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, label)
+
+    forwards: dict[str, _Forward] = {}
+    partial: dict[str, dict[str, Any]] = {}
+    ref: dict[str, Any] = {}
+    for name in names:
+        fig: dict[str, Any] = {"strategy": name, "status": "ok"}
+        partial[name] = fig
+        try:
+            forward = make_forward(name, w)
+            _step(w, forward)  # warm-up
+            tick(f"{name}: warm-up")
+            w.model.load_state_dict(initial)
+            gc.collect()
+            torch.manual_seed(seed)
+            if measure is not None:
+                report = measure(functools.partial(_step, w, forward), device=device)
+                fig["peak_bytes"] = int(report.peak_bytes)
+            else:
+                _step(w, forward)
+                fig["note"] = "ckpt_graph.memory not importable: no peak memory"
+            tick(f"{name}: measured step")
+            grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+            buffers = [b.detach().clone() for b in w.model.buffers()]
+            if name == "none":
+                ref.update(grads=grads, buffers=buffers)
+            fig["max_grad_diff"] = _max_diff(grads, ref["grads"])
+            fig["max_buffer_diff"] = _max_diff(buffers, ref["buffers"])
+            if count_ops:
+                w.model.load_state_dict(initial)
+                torch.manual_seed(seed)
+                counter = _OpCounter()
+                with counter:
+                    _step(w, forward)
+                fig["ops"], fig["flops"] = counter.ops, counter.flops
+                tick(f"{name}: counting ops")
+            forwards[name] = forward
+        except StrategySkipped as e:
+            fig.update(status="skipped", note=str(e))
+        except Exception as e:  # a failing strategy is reported, not fatal
+            if name == "none":
+                raise
+            first = (str(e).strip().splitlines() or [""])[0]
+            fig.update(status="failed", note=f"{type(e).__name__}: {first}"[:300])
+        if name not in forwards:
+            done += (2 if count_ops else 1) + repeat
+    times: dict[str, list[float]] = {n: [] for n in forwards}
+    for r in range(repeat):
+        for name, forward in forwards.items():
+            t0 = time.perf_counter()
+            _step(w, forward)
+            times[name].append(time.perf_counter() - t0)
+            tick(f"{name}: timed step {r + 1}/{repeat}")
+    for p in params:
+        p.grad = None
+    return [_finish(partial[n], times.get(n, []), partial["none"], times["none"]) for n in names]
+
+
+def _finish(
+    fig: dict[str, Any], times: list[float], none: dict[str, Any], none_times: list[float]
+) -> StrategyResult:
+    if fig["status"] != "ok":
+        return StrategyResult(fig["strategy"], fig["status"], fig.get("note", ""))
+    med = statistics.median(times)
+    peak = fig.get("peak_bytes")
+    peak_none = none.get("peak_bytes")
+    extra_ops = extra_flops = None
+    if "ops" in fig:
+        extra_ops = fig["ops"] - none["ops"]
+        extra_flops = fig["flops"] - none["flops"]
+    return StrategyResult(
+        strategy=fig["strategy"],
+        status="ok",
+        note=fig.get("note", ""),
+        peak_bytes=peak,
+        peak_ratio=peak / peak_none if peak is not None and peak_none else None,
+        step_time_s=med,
+        step_times_s=tuple(times),
+        time_ratio=med / statistics.median(none_times),
+        extra_ops=extra_ops,
+        extra_flops=extra_flops,
+        max_grad_diff=fig["max_grad_diff"],
+        max_buffer_diff=fig["max_buffer_diff"],
+    )

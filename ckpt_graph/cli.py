@@ -1,0 +1,405 @@
+"""The ``ckpt-graph`` command: ``ckpt-graph compare`` (also ``python -m ckpt_graph compare``).
+
+Runs one training step of an embedded model under every checkpointing strategy and prints peak
+memory, step time, recompute work and the gradient difference against no checkpointing.
+
+Example:
+    $ python -m ckpt_graph compare
+    $ python -m ckpt_graph compare --model cnn --strategies none,torch-ckpt,cg-block --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn, TextIO
+
+import torch
+
+from ckpt_graph._compare import DEFAULT_STRATEGIES, STRATEGIES, StrategyResult, run_comparison
+from ckpt_graph.zoo import DEFAULTS, MODELS, WorkloadError, estimate_bytes
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported as one line on stderr with exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # Note [One-line usage errors]
+    # argparse prints the whole usage block before its error; the command promises one line and
+    # exit code 2 for any bad input, so parse errors are raised and reported like the others.
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``ckpt-graph`` (subcommand ``compare``)."""
+    parser = _Parser(prog="ckpt-graph", description="Activation checkpointing, compared.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    cmp = sub.add_parser(
+        "compare",
+        help="compare checkpointing strategies on one training step",
+        description="One training step (forward + backward) of an embedded model under each "
+        "checkpointing strategy: peak memory, step time, recompute work and max |grad "
+        "difference| against no checkpointing. Strategies: "
+        + "; ".join(f"{k}: {v}" for k, v in STRATEGIES.items()),
+    )
+    cmp.add_argument("--model", default="gpt", help=f"one of {', '.join(MODELS)} (default gpt)")
+    for name, what in (
+        ("layers", "number of blocks"),
+        ("width", "hidden size (cnn: channels)"),
+        ("batch", "batch size"),
+        ("seq-len", "sequence length (cnn: image side; mlp: ignored)"),
+    ):
+        cmp.add_argument(f"--{name}", type=int, default=None, help=f"{what} (default per model)")
+    cmp.add_argument("--dtype", default="float32", help=f"one of {', '.join(_DTYPES)}")
+    cmp.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    cmp.add_argument("--repeat", type=int, default=3, help="timed steps per strategy (median)")
+    cmp.add_argument(
+        "--strategies",
+        default=",".join(DEFAULT_STRATEGIES),
+        help="comma-separated list (default: all); none is always run as the reference",
+    )
+    cmp.add_argument("--seed", type=int, default=0, help="seed for weights and batch")
+    cmp.add_argument("--json", metavar="PATH", help="write all figures and machine info as JSON")
+    cmp.add_argument("--plot", metavar="PATH.png", help="plot peak memory vs step time")
+    cmp.add_argument("--no-count", action="store_true", help="skip counting recomputed ops")
+    cmp.add_argument("--quiet", action="store_true", help="no progress output")
+    return parser
+
+
+def _check_args(args: argparse.Namespace) -> dict[str, object]:
+    """Validate everything that can be checked before building a model."""
+    if args.model not in MODELS:
+        raise UsageError(f"unknown model {args.model!r}; choose from {', '.join(MODELS)}")
+    if args.dtype not in _DTYPES:
+        raise UsageError(f"unknown dtype {args.dtype!r}; choose from {', '.join(_DTYPES)}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UsageError(f"unknown device {args.device!r}; use cpu or cuda[:N]") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {args.device}: only {torch.cuda.device_count()} GPU(s)")
+    elif device.type != "cpu":
+        raise UsageError(f"unsupported device {args.device!r}; use cpu or cuda[:N]")
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        raise UsageError(
+            f"unknown strategy {(unknown or [''])[0]!r}; choose from {', '.join(STRATEGIES)}"
+        )
+    if args.repeat < 1:
+        raise UsageError(f"--repeat must be at least 1, got {args.repeat}")
+    d = DEFAULTS[args.model]
+    sizes = {
+        "layers": d.layers if args.layers is None else args.layers,
+        "width": d.width if args.width is None else args.width,
+        "batch": d.batch if args.batch is None else args.batch,
+        "seq_len": d.seq_len if args.seq_len is None else args.seq_len,
+    }
+    for key, value in sizes.items():
+        if value < 1:
+            raise UsageError(f"--{key.replace('_', '-')} must be a positive integer, got {value}")
+    itemsize = torch.empty((), dtype=_DTYPES[args.dtype]).element_size()
+    need = estimate_bytes(args.model, **sizes) * itemsize // 4
+    have = _available_bytes(device)
+    if have is not None and need > have:
+        raise UsageError(
+            f"this size needs about {need / 2**30:.1f} GiB but {device.type} has "
+            f"{have / 2**30:.1f} GiB available; lower --layers/--width/--batch/--seq-len"
+        )
+    if args.plot and not _have_matplotlib():
+        raise UsageError("--plot needs matplotlib (pip install matplotlib)")
+    return {
+        "model": args.model,
+        **sizes,
+        "dtype": _DTYPES[args.dtype],
+        "device": str(device),
+        "strategies": strategies,
+        "repeat": args.repeat,
+        "seed": args.seed,
+        "count_ops": not args.no_count,
+    }
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _fail(message: str) -> int:
+    print(f"ckpt-graph: error: {message}", file=sys.stderr)
+    return 2
+
+
+class Progress:
+    """Progress on a stream: a bar redrawn in place on a terminal, one line per step otherwise."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        if self.tty:
+            filled = 24 * done // max(total, 1)
+            bar = "#" * filled + "-" * (24 - filled)
+            self.stream.write(f"\r[{bar}] {done}/{total} {label:<40.40}")
+        else:
+            self.stream.write(f"[{done:>3}/{total}] {label}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\r" + " " * 80 + "\r")
+            self.stream.flush()
+
+
+def machine_info() -> dict[str, Any]:
+    """Machine, library versions and date, as recorded next to every figure."""
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _fmt(value: float | int | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _describe(config: Mapping[str, Any]) -> str:
+    dtype = str(config["dtype"]).removeprefix("torch.")
+    return (
+        f"{config['model']}: {config['layers']} layers, width {config['width']}, batch "
+        f"{config['batch']}, seq-len {config['seq_len']}, {dtype}, {config['device']}"
+    )
+
+
+_COLUMNS = (
+    "strategy",
+    "peak MiB",
+    "x none",
+    "step ms",
+    "x none",
+    "extra ops",
+    "extra GFLOP",
+    "max|dgrad|",
+)
+
+
+def _rows(results: Sequence[StrategyResult]) -> list[list[str]]:
+    rows = []
+    for r in results:
+        if r.status != "ok":
+            rows.append([r.strategy, r.status, *["-"] * (len(_COLUMNS) - 2)])
+            continue
+        mib = None if r.peak_bytes is None else r.peak_bytes / 2**20
+        ms = None if r.step_time_s is None else r.step_time_s * 1e3
+        gflop = None if r.extra_flops is None else r.extra_flops / 1e9
+        rows.append(
+            [
+                r.strategy,
+                _fmt(mib, ".1f"),
+                _fmt(r.peak_ratio, ".2f"),
+                _fmt(ms, ".1f"),
+                _fmt(r.time_ratio, ".2f"),
+                _fmt(r.extra_ops, "d"),
+                _fmt(gflop, ".3f"),
+                _fmt(r.max_grad_diff, ".3g"),
+            ]
+        )
+    return rows
+
+
+def _notes(results: Sequence[StrategyResult]) -> list[str]:
+    notes = []
+    for r in results:
+        if r.note:
+            notes.append(f"{r.strategy}: {r.note}")
+        if r.max_buffer_diff:
+            notes.append(
+                f"{r.strategy}: buffers (e.g. BatchNorm running stats) differ from none by up "
+                f"to {r.max_buffer_diff:.3g} after one step"
+            )
+    return notes
+
+
+def format_table(results: Sequence[StrategyResult], config: Mapping[str, Any]) -> str:
+    """The comparison as a plain-text table with a header line and notes.
+
+    Example:
+        >>> print(format_table(run_comparison("mlp", layers=2, width=8, batch=2), cfg))  # doctest: +SKIP
+    """
+    rows = _rows(results)
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(_COLUMNS)]
+    line = "  ".join
+
+    def cells(row: Sequence[str]) -> str:
+        return line(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+
+    info = machine_info()
+    out = [
+        f"ckpt-graph compare: {_describe(config)}",
+        f"torch {info['torch']}, {info['cpu_count']} CPUs, {info['date']}; "
+        f"one training step each, time = median of {config['repeat']}",
+        "",
+        cells(_COLUMNS),
+        line("-" * w for w in widths),
+        *(cells(row) for row in rows),
+    ]
+    notes = _notes(results)
+    if notes:
+        out += ["", *notes]
+    out += [
+        "",
+        "extra ops / GFLOP: aten ops and matmul/conv/attention FLOPs run beyond 'none' "
+        "(the recompute); max|dgrad|: max |grad - grad of none| over all parameters.",
+    ]
+    return "\n".join(out)
+
+
+def write_json(path: str, results: Sequence[StrategyResult], config: Mapping[str, Any]) -> None:
+    """Write every figure, the configuration and the machine info to ``path`` as JSON."""
+    doc = {
+        "schema": "ckpt_graph.compare/1",
+        "machine": machine_info(),
+        "config": {**config, "dtype": str(config["dtype"]).removeprefix("torch.")},
+        "strategies": {r.strategy: STRATEGIES[r.strategy] for r in results},
+        "results": [
+            {
+                **dataclasses.asdict(r),
+                "step_times_s": list(r.step_times_s),
+                "peak_mib": None if r.peak_bytes is None else r.peak_bytes / 2**20,
+            }
+            for r in results
+        ],
+    }
+    with open(path, "w") as f:
+        json.dump(_finite(doc), f, indent=2, default=str, allow_nan=False)
+        f.write("\n")
+
+
+def _finite(value: Any) -> Any:
+    """Strict JSON: non-finite floats become the strings "inf", "-inf", "nan"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _have_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def plot(path: str, results: Sequence[StrategyResult], config: Mapping[str, Any]) -> None:
+    """Scatter plot of peak memory against step time, one labelled point per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for r in results:
+        if r.status != "ok" or r.peak_bytes is None or r.step_time_s is None:
+            continue
+        x, y = r.step_time_s * 1e3, r.peak_bytes / 2**20
+        ax.scatter([x], [y], s=40)
+        ax.annotate(r.strategy, (x, y), textcoords="offset points", xytext=(5, 5))
+    ax.set_xlabel("step time (ms, median)")
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_title(_describe(config), fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``ckpt-graph``; returns the exit code.
+
+    Exit codes: 0 success; 1 a strategy failed or an exact strategy's gradients differ from
+    ``none``; 2 bad input (one line on stderr, no traceback).
+
+    Example:
+        >>> main(["compare", "--model", "mlp", "--layers", "2", "--width", "16",
+        ...       "--strategies", "none,torch-ckpt", "--quiet"])  # doctest: +SKIP
+        0
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            raise UsageError("missing command; try: ckpt-graph compare --help")
+        config = _check_args(args)
+    except UsageError as e:
+        return _fail(str(e))
+    progress = None if args.quiet else Progress(sys.stderr)
+    try:
+        results = run_comparison(
+            progress=progress,
+            **config,  # type: ignore[arg-type]
+        )
+    except (WorkloadError, ValueError) as e:
+        return _fail(str(e))
+    finally:
+        if progress is not None:
+            progress.close()
+    print(format_table(results, config))
+    if args.json:
+        write_json(args.json, results, config)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        plot(args.plot, results, config)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    bad = [r.strategy for r in results if r.status == "failed" or (r.max_grad_diff or 0) != 0]
+    if bad:
+        print(f"ckpt-graph: {', '.join(bad)} failed or changed the gradients", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
