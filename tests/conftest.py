@@ -1,0 +1,34 @@
+"""Pytest fixtures shared by the core-engine tests.
+
+Helpers (``run``, ``check``, the model zoo, counting custom ops) live in ``tests/models.py`` so
+that test modules can import them; this file only holds fixtures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import models
+import pytest
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+
+@pytest.fixture(autouse=True)
+def _clean_state() -> Iterator[None]:
+    """Reset the counting ops and check that no test leaves a region's machinery installed.
+
+    A region that leaks its dispatch mode or saved-tensor hooks (e.g. after an exception inside
+    the ``with`` block) would silently change every later test, so the leak fails this test.
+    """
+    models.reset_counters()
+    default_dtype = torch.get_default_dtype()
+    grad_enabled = torch.is_grad_enabled()
+    yield
+    modes = _get_current_dispatch_mode_stack()
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    torch.set_default_dtype(default_dtype)
+    torch.set_grad_enabled(grad_enabled)
+    models.reset_counters()
+    assert not modes, f"dispatch modes left active after the test: {modes}"
+    assert hooks is None, "saved-tensor hooks left installed after the test"
