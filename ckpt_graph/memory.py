@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-import itertools
 import os
 import sys
 import threading
@@ -114,9 +113,9 @@ class MemoryReport:
         device: "cpu" or the CUDA device measured, e.g. "cuda:0".
 
     Example:
-        >>> report = measure(lambda: torch.empty(1024, dtype=torch.uint8) + 1)
-        >>> report.peak_bytes
-        2048
+        >>> report = measure(lambda: [torch.empty(1024, dtype=torch.uint8) for _ in "ab"][1])
+        >>> print(report.peak_bytes, report.end_bytes, [p.delta_bytes for p in report.timeline])
+        2048 1024 [1024, 1024, -1024]
     """
 
     peak_bytes: int
@@ -180,9 +179,9 @@ def _phase_spans(timeline: tuple[MemoryPoint, ...]) -> Iterator[tuple[str, float
     if not timeline:
         return
     phase, start = timeline[0].phase, timeline[0].time_us
-    for prev, p in itertools.pairwise(timeline):
+    for p in timeline[1:]:
         if p.phase != phase:
-            yield phase, start, prev.time_us
+            yield phase, start, p.time_us
             phase, start = p.phase, p.time_us
     yield phase, start, timeline[-1].time_us
 
@@ -197,8 +196,15 @@ def measure(
     taken by `measure` itself: pass a `device=` meant for `fn` through a lambda.
 
     Raises:
-        CkptGraphError: if a profiler (or another measure on the same device) is running.
+        CkptGraphError: if a profiler (or another measure on the same device) is running, or
+            CUDA is asked for and not available.
         ValueError: for a device that is neither CPU nor CUDA.
+
+    Known limitations:
+        On CUDA the report comes from the caching allocator's counters: sizes are its rounded
+        blocks (multiples of 512 bytes), frees of tensors allocated before the call count (so
+        `end_bytes` can be negative and a peak can hide behind them), the peak statistic is
+        reset for the whole process, and the timeline is empty.
 
     Example:
         >>> def step():
@@ -294,7 +300,11 @@ def _measure_cuda(
 def _quiet_stderr() -> Iterator[None]:
     """Silences file descriptor 2, where the profiler's C++ side prints start/stop lines."""
     sys.stderr.flush()
-    saved = os.dup(2)
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2 to silence
+        yield
+        return
     try:
         with open(os.devnull, "w") as devnull:
             os.dup2(devnull.fileno(), 2)
