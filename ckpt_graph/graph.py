@@ -1,0 +1,271 @@
+"""Op nodes, handles and per-op schema facts: the region's recorded graph.
+
+A region records every aten op that runs inside it as an :class:`OpNode`. Each tensor
+output of an op node is a :class:`Handle`. Tensors that did not come from an op of the
+region (parameters, the region's inputs) get a handle without a producer: a *region
+input*, which is always kept.
+
+# Note [Lazy recording]
+# The recorder never copies data. An op node stores the op, its positional and keyword
+# arguments with every tensor replaced by the handle of the value it held at that point of
+# the forward, and for each tensor output a handle carrying metadata (shape, dtype, bytes).
+# Only *kept* handles hold a tensor (``Handle.value``): region inputs, outputs the policy
+# stack decided to keep, tagged values and values the engine must keep for correctness
+# (``Handle.reason`` says which). Every other value is released by the forward as usual and
+# comes back in backward by realizing its handle (see Note [Realize order]).
+#
+# Ownership has no cycles: region -> op nodes -> handles -> kept values. Handles refer to
+# their producer by position (``node_index``), never by reference, and nothing refers back
+# to the region except the packed objects autograd holds (see Note [Packed lifetime]).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._ops import OpOverload
+
+__all__ = ["Handle", "OpInfo", "OpNode", "op_info"]
+
+# Kept reasons (``Handle.reason``); ``None`` means recomputed.
+INPUT = "input"
+POLICY = "policy"
+TAG = "tag"
+MUTATED_ALIAS = "engine: value changed by an in-place op on an alias"
+INPLACE_ON_KEPT = "engine: in-place op on a kept value"
+CLONED_BEFORE_MUTATION = "engine: copy of a kept value taken before an in-place op"
+
+
+class Handle:
+    """One value of the region: an op node output at one version, or a region input.
+
+    Attributes:
+        node_index: position of the producing op node in ``region.nodes``; -1 for a
+            region input or a value the engine took as is.
+        index: output index within the producer.
+        version: the tensor's ``_version`` when this value was current (-1 until first
+            observed after an in-place op; see Note [Mutation and views]).
+        ref: weak reference to the forward tensor, for version checks.
+        value: the kept tensor, or ``None`` when the value is recomputed.
+        reason: why the value is kept (``None`` when recomputed).
+        offload_device: original device of a value kept in host memory, else ``None``.
+        shape, dtype, nbytes: metadata of the value.
+        is_view: the value aliases the storage of another handle (a view op output).
+        has_views: some view op of the region took this value as input.
+        superseded: an in-place op of the region wrote over this value; autograd saved
+            tensors of this value raise the version-counter error when unpacked.
+        uses: number of op nodes and saved tensors of the forward that consumed it.
+        packs: number of saved tensors (autograd packs) that refer to it.
+        pending: per backward pass, users that still need the value (see Note [Use counts
+            and freeing]).
+        cache: per backward pass, the recomputed value while ``pending > 0``.
+    """
+
+    __slots__ = (
+        "cache",
+        "dtype",
+        "has_views",
+        "index",
+        "is_view",
+        "nbytes",
+        "node_index",
+        "offload_device",
+        "packs",
+        "pending",
+        "realized",
+        "reason",
+        "ref",
+        "shape",
+        "superseded",
+        "uses",
+        "value",
+        "version",
+        "__weakref__",
+    )
+
+    def __init__(self, t: torch.Tensor, node_index: int, index: int) -> None:
+        self.node_index = node_index
+        self.index = index
+        self.version = t._version
+        self.ref: weakref.ref[torch.Tensor] | None = weakref.ref(t)
+        self.value: torch.Tensor | None = None
+        self.reason: str | None = None
+        self.offload_device: torch.device | None = None
+        self.shape = t.shape
+        self.dtype = t.dtype
+        self.nbytes = t.numel() * t.element_size()
+        self.is_view = False
+        self.has_views = False
+        self.superseded = False
+        self.uses = 0
+        self.packs = 0
+        self.pending = 0
+        self.realized = 0
+        self.cache: torch.Tensor | None = None
+
+    @property
+    def kept(self) -> bool:
+        """Whether the region holds this value (it is never recomputed)."""
+        return self.reason is not None
+
+    def keep(self, t: torch.Tensor, reason: str) -> None:
+        """Hold ``t`` as this handle's value for the backward."""
+        self.value = t
+        self.reason = reason
+
+    def drop(self) -> None:
+        """Stop holding the value: it will be recomputed."""
+        self.value = None
+        self.reason = None
+
+    def __repr__(self) -> str:
+        where = "input" if self.node_index < 0 else f"op {self.node_index}[{self.index}]"
+        state = f"kept ({self.reason})" if self.kept else "recomputed"
+        return f"Handle({where}, {tuple(self.shape)}, {self.dtype}, {state})"
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """Schema facts about an op, computed once per op and cached.
+
+    Attributes:
+        name: short op name, e.g. ``"aten.mm.default"``.
+        writes: positions (int) or keyword names (str) of arguments the op writes.
+        returns_written: every return aliases a written argument (``add_``, ``out=``).
+        view_outputs: indices of returns that are views of an input (``Tensor(a)``).
+        is_random: the op draws from a random generator.
+        is_inplace_view: the op changes only the metadata of its input (``t_``).
+    """
+
+    name: str
+    writes: tuple[int | str, ...]
+    returns_written: bool
+    view_outputs: tuple[int, ...]
+    is_random: bool
+    is_inplace_view: bool
+
+    @property
+    def is_inplace(self) -> bool:
+        """Whether the op mutates one of its arguments."""
+        return bool(self.writes)
+
+
+# Ops that update running statistics without a write annotation in their schema: on CPU
+# `native_batch_norm` updates running_mean/running_var in place and does not even bump
+# their version counters. See Note [Mutation and views].
+_UNANNOTATED_WRITES: dict[str, tuple[int, ...]] = {
+    "aten::native_batch_norm": (3, 4),
+    "aten::cudnn_batch_norm": (3, 4),
+    "aten::miopen_batch_norm": (3, 4),
+}
+
+_OP_INFO: dict[OpOverload, OpInfo] = {}
+
+
+def op_info(op: OpOverload) -> OpInfo:
+    """Return the cached :class:`OpInfo` of ``op``."""
+    info = _OP_INFO.get(op)
+    if info is None:
+        info = _OP_INFO[op] = _compute_op_info(op)
+    return info
+
+
+def _compute_op_info(op: OpOverload) -> OpInfo:
+    schema = op._schema
+    writes: list[int | str] = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            writes.append(arg.name if arg.kwarg_only else i)
+    if op.name() in _UNANNOTATED_WRITES and op._overloadname in ("default", ""):
+        writes.extend(_UNANNOTATED_WRITES[op.name()])
+    returns = schema.returns
+    returns_written = bool(returns) and all(
+        r.alias_info is not None and r.alias_info.is_write for r in returns
+    )
+    view_outputs = tuple(
+        i
+        for i, r in enumerate(returns)
+        if r.alias_info is not None and not r.alias_info.is_write
+    )
+    tags = op.tags
+    return OpInfo(
+        name=str(op),
+        writes=tuple(writes),
+        returns_written=returns_written,
+        view_outputs=view_outputs,
+        is_random=torch.Tag.nondeterministic_seeded in tags,
+        is_inplace_view=torch.Tag.inplace_view in tags,
+    )
+
+
+class OpNode:
+    """One recorded op call of the region.
+
+    Attributes:
+        index: position in the region's forward (0-based).
+        op: the aten ``OpOverload``.
+        info: its :class:`OpInfo`.
+        args, kwargs: the call's arguments with tensors replaced by handles (lists of
+            tensors become lists of handles).
+        inputs: the distinct handles among the arguments.
+        outputs: one handle per tensor output (``None`` for non-tensor outputs).
+        out_is_tuple: whether the op returned a tuple/list (vs. a single tensor).
+        rng: ``(generator, state)`` captured just before a random op ran, else ``None``.
+        decision: the resolved :class:`~torch.utils.checkpoint.CheckpointPolicy`.
+        decided_by: repr of the policy that set the decision (``""`` for the default).
+        module_path: qualified name of the innermost module running the op.
+        flops: estimated FLOPs of one run (filled lazily; -1 until asked).
+        stack: Python stack of the forward call (only with ``debug=True``).
+        realized: how many times the op ran during backward passes.
+    """
+
+    __slots__ = (
+        "args",
+        "decided_by",
+        "decision",
+        "flops",
+        "index",
+        "info",
+        "inputs",
+        "kwargs",
+        "module_path",
+        "op",
+        "out_is_tuple",
+        "outputs",
+        "pass_id",
+        "realized",
+        "rng",
+        "stack",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        op: OpOverload,
+        info: OpInfo,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        inputs: tuple[Handle, ...],
+    ) -> None:
+        self.index = index
+        self.op = op
+        self.info = info
+        self.args = args
+        self.kwargs = kwargs
+        self.inputs = inputs
+        self.outputs: tuple[Handle | None, ...] = ()
+        self.out_is_tuple = False
+        self.rng: tuple[torch.Generator, torch.Tensor] | None = None
+        self.decision: Any = None
+        self.decided_by = ""
+        self.module_path = ""
+        self.flops = -1
+        self.stack: str | None = None
+        self.realized = 0
+        self.pass_id = -1
+
+    def __repr__(self) -> str:
+        return f"OpNode(#{self.index} {self.info.name})"

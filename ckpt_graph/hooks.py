@@ -1,0 +1,61 @@
+"""Saved-tensor hooks: pack handles instead of tensors, realize them on unpack.
+
+# Note [Packed lifetime]
+# The pack hook returns a small ``Packed`` object (region, handle) for each tensor autograd
+# saves in the region, counting it in the handle's ``packs`` and the region's live packs.
+# Autograd holds these objects in its graph; when it releases one (after the node ran in a
+# backward without ``retain_graph``, or when the graph is dropped), ``Packed.__del__``
+# decrements the counts. When the region has exited and its last packed object is gone,
+# the region drops every tensor it holds: kept values, caches, RNG states. A region object
+# the user still refers to keeps only metadata. Reference counting makes this prompt;
+# nothing here creates a reference cycle, so no garbage collection is needed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .realize import unpack_value
+
+if TYPE_CHECKING:
+    from .graph import Handle
+    from .region import Region
+
+__all__ = ["Packed", "pack_hook", "unpack_hook"]
+
+
+class Packed:
+    """What autograd stores for a saved tensor of a region."""
+
+    __slots__ = ("handle", "region")
+
+    def __init__(self, region: Region, handle: Handle) -> None:
+        self.region = region
+        self.handle = handle
+        handle.packs += 1
+        region._live_packs += 1
+
+    def __del__(self) -> None:
+        self.handle.packs -= 1
+        self.region._pack_released()
+
+    def __repr__(self) -> str:
+        return f"Packed({self.handle!r})"
+
+
+def pack_hook(region: Region, t: torch.Tensor) -> Any:
+    """Pack a saved tensor as its handle (raw tensor for backward run inside the region)."""
+    if not region._recording or torch._C._current_graph_task_id() != region._task:
+        return t
+    h = region.handle_of(t)
+    h.uses += 1
+    return Packed(region, h)
+
+
+def unpack_hook(packed: Any) -> torch.Tensor:
+    """Return the saved tensor: the kept value, or its recomputation."""
+    if type(packed) is not Packed:
+        return packed  # type: ignore[no-any-return]
+    return unpack_value(packed.region, packed.handle)

@@ -1,0 +1,282 @@
+"""Realize: recompute handles on demand in backward, cache them, free them.
+
+# Note [Use counts and freeing]
+# Each backward pass of a region starts at the first unpack whose autograd graph task id
+# differs from the last one seen. It computes, for every recomputed handle, its use count
+# for the pass (``Handle.pending``): the saved tensors still alive that refer to it, plus
+# every op node that will have to run and takes it as input. Op nodes are recorded in
+# forward order, which is a topological order, so one sweep from the last node back
+# decides which nodes will run (some recomputed output is pending) and adds their inputs.
+# When a node runs, its outputs with a pending use are cached and the others dropped at
+# once; each of its inputs loses one use. An unpack takes one use of its handle. A cached
+# value is freed (``cache = None``) the moment its use count reaches zero. The pass ends
+# with an autograd engine callback that frees whatever a partial backward left cached
+# (``torch.autograd.grad`` on part of the outputs, ``inputs=``); the next pass, e.g. after
+# ``retain_graph=True``, counts again from scratch.
+#
+# Note [Realize order]
+# ``realize`` walks the producers of a handle with an explicit stack (no Python recursion,
+# so a 20,000-op chain works): a node is expanded once, its recomputed inputs that are not
+# cached are pushed, and it runs after them. A node runs at most once per pass.
+#
+# Note [RNG replay]
+# Random ops (``torch.Tag.nondeterministic_seeded``) record the state of their generator
+# just before they ran in forward: the explicit ``generator=`` argument's, or else the
+# default generator of their device. Replaying sets that state, runs the op and restores
+# the state the generator had, so recomputed values equal the forward's and the user's
+# random stream ends where it would have without checkpointing.
+#
+# Replay context: ``torch.no_grad()`` (unpacked values must be plain tensors; autograd
+# re-attaches them to the original graph, which also makes ``create_graph=True`` work),
+# autocast off (the recorded ops already carry the casts autocast made), nothing recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._errors import CkptGraphError
+
+if TYPE_CHECKING:
+    from .graph import Handle, OpNode
+    from .region import Region
+
+__all__ = ["PassState", "exact_copy", "realize", "unpack_value"]
+
+_current_task = torch._C._current_graph_task_id
+
+
+class PassState:
+    """Per-region state of the current backward pass."""
+
+    __slots__ = ("number", "recomputed_bytes_peak", "recomputed_ops", "task")
+
+    def __init__(self) -> None:
+        self.task = -2
+        self.number = 0
+        self.recomputed_ops = 0
+        self.recomputed_bytes_peak = 0
+
+
+def exact_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with the same sizes, strides and storage offset, in new storage."""
+    with torch.no_grad():
+        if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+            return t.clone()
+        storage = t.untyped_storage().clone()
+        return torch.empty((0,), dtype=t.dtype, device=t.device).set_(
+            storage, t.storage_offset(), t.size(), t.stride()
+        )
+
+
+def _version_error(h: Handle, region: Region, current: int) -> CkptGraphError:
+    where = (
+        f"output {h.index} of {region.nodes[h.node_index].info.name} (op #{h.node_index})"
+        if h.node_index >= 0
+        else "an input of the region"
+    )
+    return CkptGraphError(
+        "ckpt_graph: one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: [{h.dtype} {list(h.shape)}], which is {where}, is at version "
+        f"{current}; expected version {h.version} instead. Hint: do not modify a tensor in place "
+        "after it was used in a checkpointed region, or clone it before modifying it."
+    )
+
+
+def _kept_value(region: Region, h: Handle) -> torch.Tensor:
+    v = h.value
+    if v is None:
+        raise CkptGraphError(
+            f"ckpt_graph: the kept value {h!r} was already released; run backward once per "
+            "forward, or pass retain_graph=True to the first backward"
+        )
+    if h.offload_device is not None:
+        return v.to(h.offload_device, non_blocking=True)
+    if h.version != -1 and v._version != h.version:
+        raise _version_error(h, region, v._version)
+    return v
+
+
+def unpack_value(region: Region, h: Handle) -> torch.Tensor:
+    """The value of a saved tensor, for autograd's unpack."""
+    if h.superseded:
+        t = h.ref() if h.ref is not None else None
+        raise _version_error(h, region, t._version if t is not None else h.version + 1)
+    t = h.ref() if h.ref is not None else None
+    if t is not None and h.version != -1 and t._version != h.version:
+        raise _version_error(h, region, t._version)
+    if h.reason is not None:
+        return _kept_value(region, h)
+    task = _current_task()
+    state = region._pass
+    one_shot = task == -1
+    if one_shot or task != state.task:
+        begin_pass(region, task)
+    try:
+        value = realize(region, h)
+    finally:
+        if one_shot:
+            end_pass(region)
+    h.pending -= 1
+    if h.pending <= 0:
+        h.cache = None
+    return value
+
+
+def begin_pass(region: Region, task: int) -> None:
+    """Reset use counts for a new backward pass. See Note [Use counts and freeing]."""
+    state = region._pass
+    if state.task != -2:
+        end_pass(region)
+    state.task = task
+    state.number += 1
+    state.recomputed_ops = 0
+    for node in reversed(region.nodes):
+        needed = False
+        for o in node.outputs:
+            if o is not None and o.reason is None:
+                o.pending += o.packs
+                if o.pending > 0:
+                    needed = True
+        if needed:
+            for i in node.inputs:
+                if i.reason is None:
+                    i.pending += 1
+    if task != -1:
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: end_pass(region))
+
+
+def end_pass(region: Region) -> None:
+    """Free everything the pass left cached and forget its use counts."""
+    state = region._pass
+    state.task = -2
+    for node in region.nodes:
+        for o in node.outputs:
+            if o is not None:
+                o.pending = 0
+                o.cache = None
+
+
+@contextlib.contextmanager
+def _replay_context(region: Region) -> Iterator[None]:
+    region._recording = False
+    stack = contextlib.ExitStack()
+    try:
+        stack.enter_context(torch.no_grad())
+        if torch.is_autocast_enabled("cpu"):
+            stack.enter_context(torch.autocast("cpu", enabled=False))
+        if torch.cuda.is_available() and torch.is_autocast_enabled("cuda"):
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+        with stack:
+            yield
+    finally:
+        region._recording = region._open
+
+
+def realize(region: Region, h: Handle) -> torch.Tensor:
+    """Recompute ``h`` from the nearest kept values. See Note [Realize order]."""
+    if h.cache is not None:
+        return h.cache
+    nodes = region.nodes
+    number = region._pass.number
+    with _replay_context(region):
+        stack: list[tuple[int, bool]] = [(h.node_index, False)]
+        while stack:
+            index, expanded = stack.pop()
+            node = nodes[index]
+            if node.pass_id == number:
+                continue
+            if expanded:
+                run_node(region, node)
+                continue
+            stack.append((index, True))
+            for i in node.inputs:
+                if i.reason is None and i.cache is None:
+                    stack.append((i.node_index, False))
+    if h.cache is None:
+        raise CkptGraphError(
+            f"ckpt_graph: internal error: {h!r} was not realized; please report this with the "
+            "model that triggers it"
+        )
+    return h.cache
+
+
+def _value(region: Region, a: Any) -> Any:
+    from .graph import Handle
+
+    if type(a) is Handle:
+        if a.reason is not None:
+            return _kept_value(region, a)
+        if a.cache is None:
+            raise CkptGraphError(
+                f"ckpt_graph: internal error: {a!r} is needed but not cached; please report this"
+            )
+        return a.cache
+    if type(a) is list:
+        return [_value(region, e) for e in a]
+    return a
+
+
+def run_node(region: Region, node: OpNode) -> None:
+    """Run one recorded op on realized inputs; cache outputs that are still pending."""
+    from .graph import Handle
+
+    args = [_value(region, a) for a in node.args]
+    kwargs = {k: _value(region, v) for k, v in node.kwargs.items()} if node.kwargs else {}
+    info = node.info
+    for w in info.writes:
+        h = node.args[w] if isinstance(w, int) else node.kwargs.get(w)
+        if type(h) is not Handle:
+            continue
+        v = args[w] if isinstance(w, int) else kwargs[w]
+        alone = h.reason is None and not h.is_view and not h.has_views and h.pending <= 1
+        if info.is_inplace_view:
+            v = v if alone else v.as_strided(v.size(), v.stride(), v.storage_offset())
+        elif not alone:
+            v = exact_copy(v)
+        if isinstance(w, int):
+            args[w] = v
+        else:
+            kwargs[w] = v
+    try:
+        if torch.autograd.profiler._is_profiler_enabled:
+            with torch.profiler.record_function(f"ckpt_graph::recompute::{info.name}"):
+                out = _call(node, args, kwargs)
+        else:
+            out = _call(node, args, kwargs)
+    except Exception as e:
+        where = f" in module {node.module_path!r}" if node.module_path else ""
+        raise CkptGraphError(
+            f"ckpt_graph: recomputing op #{node.index} {info.name} (position {node.index} of the "
+            f"region's forward{where}) failed: {e}. Its inputs may have been modified in place "
+            "after the forward; keep this op's output (tag_with_policy(t, True)) or avoid the "
+            "modification."
+        ) from e
+    node.pass_id = region._pass.number
+    node.realized += 1
+    region._pass.recomputed_ops += 1
+    outs = out if node.out_is_tuple else (out,)
+    for o, v in zip(node.outputs, outs):
+        if o is not None and o.reason is None and o.pending > 0:
+            o.cache = v
+    for i in node.inputs:
+        if i.reason is None:
+            i.pending -= 1
+            if i.pending <= 0:
+                i.cache = None
+
+
+def _call(node: OpNode, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    if node.rng is None:
+        return node.op(*args, **kwargs)
+    gen, state = node.rng
+    before = gen.get_state()
+    gen.set_state(state)
+    try:
+        return node.op(*args, **kwargs)
+    finally:
+        gen.set_state(before)

@@ -1,0 +1,73 @@
+"""The recorder: a ``TorchDispatchMode`` that turns every aten op of a region into an op node.
+
+# Note [Mutation and views]
+# Every tensor the region sees maps to the handle of the value it holds *now*
+# (``Region.handle_of``): an identity map ``id(tensor) -> Handle`` whose entries are
+# validated by a weak reference (ids are reused) and by the tensor's version counter.
+#   1. An op whose schema writes an argument (``alias_info.is_write``, plus the few ops in
+#      ``graph._UNANNOTATED_WRITES`` such as CPU ``native_batch_norm``) creates a new
+#      version: the returned tensor maps to the new op node's output handle, and the old
+#      handle is marked ``superseded`` so that a saved tensor of the old value raises
+#      autograd's version-counter error when unpacked, as eager does.
+#   2. Written arguments that the op does not return (running statistics) are dropped
+#      from the map: their next use takes the tensor as it is (a kept snapshot).
+#   3. A tensor whose version changed through another alias (``x[0:2].mul_(3)`` changes
+#      ``x``) no longer matches its handle; its next use takes it as a kept snapshot
+#      (reason ``MUTATED_ALIAS``). Correct, and rare in models; deriving the new value by
+#      replaying view ops on the new base would avoid keeping it.
+#   4. Kept values are shared with the forward tensors. Before an op writes a storage,
+#      every kept value in that storage that some op node or saved tensor already used is
+#      replaced by an exact copy (same storage offset and strides), because the write would
+#      change it under them. A kept value the op overwrites with nobody else needing it is
+#      not copied; its new version is kept instead (``INPLACE_ON_KEPT``), which costs no
+#      memory since it is the same tensor.
+#   5. The new version of a tensor is only known after autograd bumps the version counter,
+#      which happens after this mode returns, so new versions start at -1 and adopt the
+#      tensor's version the next time it is seen.
+# Replaying a recorded write in backward follows the same rule from the other side: it runs
+# on the cached value itself only when that value is recomputed, not a view, has no views
+# and this op is its last pending user (dropout's ``empty_like -> bernoulli_ -> div_``);
+# otherwise on an exact copy (see ``realize.run_node``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .graph import _OP_INFO, op_info
+
+if TYPE_CHECKING:
+    from .region import Region
+
+__all__ = ["Recorder"]
+
+_current_task = torch._C._current_graph_task_id
+
+
+class Recorder(TorchDispatchMode):
+    """Records the aten ops of one region. Entered and exited by the region."""
+
+    def __init__(self, region: Region) -> None:
+        super().__init__()
+        self.region = region
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        region = self.region
+        # Backward run inside the region, and the region's own recompute, are not recorded.
+        if not region._recording or _current_task() != region._task:
+            return func(*args, **kwargs)
+        info = _OP_INFO.get(func) or op_info(func)
+        h_args, h_kwargs, inputs = region._scan(args, kwargs)
+        if info.writes:
+            region._before_write(info, args, kwargs, h_args, h_kwargs)
+        rng = region._capture_rng(args, kwargs) if info.is_random else None
+        out = func(*args, **kwargs)
+        region._record(func, info, h_args, h_kwargs, inputs, out, rng, args, kwargs)
+        return out

@@ -1,0 +1,510 @@
+"""Regions: ``save_recompute_policy``, ``checkpoint`` and ``tag_with_policy``.
+
+A region is opened by the outermost ``save_recompute_policy`` block of a thread and
+closed when that block exits; inner blocks push their policy onto the same region. While
+open, the region's :class:`~ckpt_graph.record.Recorder` records every aten op and its
+saved-tensor hooks pack handles instead of tensors (see ``hooks.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from . import _modules, graph
+from ._errors import CkptGraphError
+from .graph import Handle, OpInfo, OpNode
+from .hooks import pack_hook, unpack_hook
+from .policies._core import POLICY_NAMES, PolicyContext, PolicyFn, normalize_policy, resolve
+from .policies._core import to_decision as _to_decision
+from .realize import PassState, exact_copy
+from .record import Recorder
+
+__all__ = ["Region", "checkpoint", "current_region", "save_recompute_policy", "tag_with_policy"]
+
+T = TypeVar("T")
+
+_KEEP = {
+    CheckpointPolicy.MUST_SAVE: False,
+    CheckpointPolicy.PREFER_SAVE: False,
+    CheckpointPolicy.MUST_CPU_OFFLOAD: True,
+    CheckpointPolicy.PREFER_CPU_OFFLOAD: True,
+}
+
+_tls = threading.local()
+
+
+def current_region() -> Region | None:
+    """The region open in this thread, or ``None``."""
+    return getattr(_tls, "region", None)
+
+
+class Region:
+    """The recorded graph of one checkpointed forward, and what backward needs of it.
+
+    Attributes:
+        nodes: the recorded op nodes, in forward order.
+        inputs: handles of region inputs and of values taken as they were (always kept).
+        kept_bytes: bytes of the values kept by policy, tags or the engine (inputs excluded).
+        debug: whether recomputed values are checked against the forward (checksums).
+
+    Invariants:
+        Nothing outside refers to a region except the packed saved tensors autograd holds
+        and the user's own ``with ... as region`` variable; when the last packed saved
+        tensor is released (backward without ``retain_graph``, or the graph is dropped),
+        the region releases every tensor it holds (see Note [Packed lifetime]).
+
+    Example:
+        >>> with ckpt_graph.save_recompute_policy("recompute_all") as region:
+        ...     y = model(x)
+        >>> len(region.nodes) > 0
+        True
+    """
+
+    def __init__(self, debug: bool = False) -> None:
+        self.nodes: list[OpNode] = []
+        self.inputs: list[Handle] = []
+        self.kept_bytes = 0
+        self.debug = debug
+        self._policies: list[PolicyFn] = []
+        self._constant: CheckpointPolicy | None = None
+        self._ids: dict[int, Handle] = {}
+        self._by_storage: dict[int, list[Handle]] | None = None
+        self._lazy: list[Handle] = []
+        self._recording = False
+        self._open = False
+        self._closed = False
+        self._task = -1
+        self._live_packs = 0
+        self._ctx: PolicyContext | None = None
+        self._modules = _modules.ModuleStack()
+        self._exits: list[Any] = []
+        self._pass = PassState()
+
+    # ----------------------------------------------------------------- lifecycle
+    def _open_region(self) -> None:
+        if torch.is_inference_mode_enabled():
+            raise CkptGraphError(
+                "ckpt_graph: save_recompute_policy cannot run under torch.inference_mode(): "
+                "inference mode saves nothing for backward; leave the region out, or run it "
+                "under torch.no_grad() instead"
+            )
+        self._task = torch._C._current_graph_task_id()
+        self._ctx = PolicyContext(self)
+        _tls.region = self
+        _modules.install_hooks()
+        hooks = torch.autograd.graph.saved_tensors_hooks(
+            lambda t: pack_hook(self, t), unpack_hook
+        )
+        recorder = Recorder(self)
+        hooks.__enter__()
+        recorder.__enter__()
+        self._exits = [recorder, hooks]
+        self._open = True
+        self._recording = True
+
+    def _close_region(self) -> None:
+        self._recording = False
+        self._open = False
+        self._closed = True
+        for cm in self._exits:
+            cm.__exit__(None, None, None)
+        self._exits = []
+        _modules.uninstall_hooks()
+        _tls.region = None
+        for h in self._lazy:
+            t = h.ref() if h.ref is not None else None
+            if h.version == -1 and t is not None:
+                h.version = t._version
+        self._lazy = []
+        self._ids = {}
+        self._by_storage = None
+        self._ctx = None
+        self._modules.clear()
+        if self._live_packs == 0:
+            self._release()
+
+    def _release(self) -> None:
+        """Drop every tensor value the region holds (metadata stays for introspection)."""
+        for h in self.inputs:
+            h.value = None
+            h.cache = None
+        for node in self.nodes:
+            node.rng = None
+            for h in node.outputs:
+                if h is not None:
+                    h.value = None
+                    h.cache = None
+
+    # ----------------------------------------------------------------- handles
+    def handle_of(self, t: torch.Tensor) -> Handle:
+        """The handle of the value ``t`` holds now; a new kept input handle if unseen."""
+        h = self._ids.get(id(t))
+        if h is not None and h.ref is not None and h.ref() is t:
+            if h.version == t._version:
+                return h
+            if h.version == -1:
+                h.version = t._version
+                return h
+            reason = graph.MUTATED_ALIAS
+        else:
+            reason = graph.INPUT
+        h = Handle(t, -1, len(self.inputs))
+        h.keep(t, reason)
+        self.inputs.append(h)
+        self._ids[id(t)] = h
+        if self._by_storage is not None:
+            self._index_storage(h)
+        return h
+
+    def _scan(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Handle, ...]]:
+        """Replace tensors by handles in an op's arguments (flat scan, no pytree)."""
+        inputs: list[Handle] = []
+        h_args = tuple(self._scan_one(a, inputs) for a in args)
+        h_kwargs = {k: self._scan_one(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
+        return h_args, h_kwargs, tuple(dict.fromkeys(inputs)) if len(inputs) > 1 else tuple(inputs)
+
+    def _scan_one(self, a: Any, inputs: list[Handle]) -> Any:
+        if isinstance(a, torch.Tensor):
+            h = self.handle_of(a)
+            inputs.append(h)
+            return h
+        if type(a) is list or type(a) is tuple:
+            if any(isinstance(e, torch.Tensor) for e in a):
+                return [self._scan_one(e, inputs) for e in a]
+        return a
+
+    # ----------------------------------------------------------------- mutation
+    def _index_storage(self, h: Handle) -> None:
+        assert self._by_storage is not None
+        if h.value is not None and h.offload_device is None:
+            key = h.value.untyped_storage().data_ptr()
+            if key:
+                self._by_storage.setdefault(key, []).append(h)
+
+    def _before_write(
+        self,
+        info: OpInfo,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        h_args: tuple[Any, ...],
+        h_kwargs: dict[str, Any],
+    ) -> None:
+        """Copy kept values that an in-place op is about to change. See Note [Mutation and views]."""
+        if self._by_storage is None:
+            self._by_storage = {}
+            for h in self.inputs:
+                self._index_storage(h)
+            for node in self.nodes:
+                for o in node.outputs:
+                    if o is not None and o.value is not None:
+                        self._index_storage(o)
+        for w in info.writes:
+            t = args[w] if isinstance(w, int) else kwargs.get(w)
+            written = h_args[w] if isinstance(w, int) else h_kwargs.get(w)
+            if not isinstance(t, torch.Tensor) or not isinstance(written, Handle):
+                continue
+            for k in self._by_storage.get(t.untyped_storage().data_ptr(), ()):
+                if k.value is None or k.superseded:
+                    continue
+                if k is written:
+                    if k.uses == 0 and info.returns_written:
+                        continue  # its new version is kept instead: rule 4
+                elif k.uses == 0:
+                    continue
+                k.value = exact_copy(k.value)
+                k.version = k.value._version
+                k.ref = None
+                self._index_storage(k)
+
+    # ----------------------------------------------------------------- recording
+    def _capture_rng(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Generator, torch.Tensor] | None:
+        """Generator state just before a random op runs. See Note [RNG replay]."""
+        gen = kwargs.get("generator")
+        if gen is None:
+            device = kwargs.get("device")
+            if device is None:
+                device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+            device = torch.device(device) if device is not None else torch.get_default_device()
+            if device.type == "cpu":
+                gen = torch.default_generator
+            elif device.type == "cuda":
+                idx = device.index if device.index is not None else torch.cuda.current_device()
+                gen = torch.cuda.default_generators[idx]
+            else:
+                return None  # no replay known for this device: outputs are kept
+        return gen, gen.get_state()
+
+    def _record(
+        self,
+        op: Any,
+        info: OpInfo,
+        h_args: tuple[Any, ...],
+        h_kwargs: dict[str, Any],
+        inputs: tuple[Handle, ...],
+        out: Any,
+        rng: tuple[torch.Generator, torch.Tensor] | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        if isinstance(out, torch.Tensor):
+            outs: tuple[Any, ...] | list[Any] = (out,)
+            is_tuple = False
+        elif isinstance(out, (tuple, list)):
+            outs, is_tuple = out, True
+        else:
+            return  # no tensor output (item(), sizes): nothing to recompute
+        index = len(self.nodes)
+        node = OpNode(index, op, info, h_args, h_kwargs, inputs)
+        node.out_is_tuple = is_tuple
+        node.rng = rng
+        for h in inputs:
+            h.uses += 1
+        previous: Handle | None = None
+        if info.writes:
+            previous = self._mark_written(info, h_args, h_kwargs, args, kwargs)
+        handles: list[Handle | None] = []
+        ids = self._ids
+        for j, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor):
+                handles.append(None)
+                continue
+            h = Handle(o, index, j)
+            if info.returns_written:
+                h.version = -1
+                self._lazy.append(h)
+                if previous is not None:
+                    h.is_view, h.has_views = previous.is_view, previous.has_views
+            elif info.view_outputs:
+                h.is_view = True
+                if inputs:
+                    inputs[0].has_views = True
+            ids[id(o)] = h
+            handles.append(h)
+        node.outputs = tuple(handles)
+        if self.debug:
+            node.stack = "".join(traceback.format_stack(limit=12)[:-3])
+        self.nodes.append(node)
+        self._decide(node, out, args, kwargs, previous, outs)
+
+    def _mark_written(
+        self,
+        info: OpInfo,
+        h_args: tuple[Any, ...],
+        h_kwargs: dict[str, Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Handle | None:
+        """Supersede the old versions of written arguments; return the first one's handle."""
+        first: Handle | None = None
+        for w in info.writes:
+            written = h_args[w] if isinstance(w, int) else h_kwargs.get(w)
+            if not isinstance(written, Handle):
+                continue
+            written.superseded = True
+            if first is None:
+                first = written
+            if not info.returns_written:
+                t = args[w] if isinstance(w, int) else kwargs.get(w)
+                self._ids.pop(id(t), None)
+        return first
+
+    def _decide(
+        self,
+        node: OpNode,
+        out: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        previous: Handle | None,
+        outs: Any,
+    ) -> None:
+        if self._constant is not None:
+            decision, by = self._constant, "policy"
+        else:
+            ctx = self._ctx
+            assert ctx is not None
+            ctx._set(node.index, node.op, node.info, out, args, kwargs)
+            self._recording = False  # a policy's own tensor ops are not part of the region
+            try:
+                decision, by = resolve(self._policies, ctx, out, node.op, args, kwargs)
+            finally:
+                self._recording = True
+                ctx._clear()
+        node.decision = decision
+        node.decided_by = by
+        node.module_path = self._modules.path()
+        keep = decision in _KEEP
+        if node.info.is_random and node.rng is None:
+            keep = True  # no generator replay for this device
+        for o, h in zip(outs, node.outputs):
+            if h is None:
+                continue
+            if previous is not None and previous.value is o:
+                h.keep(o, graph.INPLACE_ON_KEPT)
+            elif keep:
+                self._keep(h, o, graph.POLICY, _KEEP.get(decision, False))
+            else:
+                continue
+            self.kept_bytes += h.nbytes
+            if self._by_storage is not None:
+                self._index_storage(h)
+
+    def _keep(self, h: Handle, t: torch.Tensor, reason: str, offload: bool) -> None:
+        if offload and t.device.type != "cpu":
+            h.offload_device = t.device
+            t = t.to("cpu", non_blocking=True)
+        h.keep(t, reason)
+
+    # ----------------------------------------------------------------- policies
+    def _push(self, policy: PolicyFn) -> None:
+        self._policies.append(policy)
+        self._update_constant()
+        hook = getattr(policy, "on_region_enter", None)
+        if hook is not None:
+            hook(self)
+
+    def _pop(self) -> None:
+        policy = self._policies.pop()
+        self._update_constant()
+        hook = getattr(policy, "on_region_exit", None)
+        if hook is not None:
+            hook(self)
+
+    def _update_constant(self) -> None:
+        # Fast path: a stack of string-named policies decides without calling anything.
+        consts = [p for p in self._policies if p in POLICY_NAMES.values()]
+        self._constant = None
+        if self._policies and len(consts) == len(self._policies):
+            decision, _ = resolve(self._policies, PolicyContext(self), None, None, (), {})
+            self._constant = decision
+
+    @property
+    def policies(self) -> tuple[PolicyFn, ...]:
+        """The policy stack, outermost first."""
+        return tuple(self._policies)
+
+    def tag(self, t: torch.Tensor, policy: CheckpointPolicy | bool) -> None:
+        """Override the decision for the value ``t`` holds. See ``tag_with_policy``."""
+        decision = _to_decision(policy, tag_with_policy, "tag_with_policy")
+        if decision is None:
+            raise TypeError("ckpt_graph: tag_with_policy needs a CheckpointPolicy or a bool, got None")
+        h = self.handle_of(t)
+        if h.node_index < 0 or (h.reason is not None and h.reason.startswith("engine")):
+            return  # region inputs and engine-kept values are always kept
+        node = self.nodes[h.node_index]
+        node.decided_by = "tag"
+        if decision in _KEEP:
+            if not h.kept:
+                self._keep(h, t, graph.TAG, _KEEP[decision])
+                self.kept_bytes += h.nbytes
+                if self._by_storage is not None:
+                    self._index_storage(h)
+            else:
+                h.reason = graph.TAG
+        elif h.kept:
+            self.kept_bytes -= h.nbytes
+            h.drop()
+
+    # ----------------------------------------------------------------- backward
+    def _pack_released(self) -> None:
+        self._live_packs -= 1
+        if self._live_packs == 0 and self._closed:
+            self._release()
+
+    def __repr__(self) -> str:
+        state = "open" if self._open else "closed"
+        return f"Region({len(self.nodes)} ops, {self.kept_bytes} kept bytes, {state})"
+
+
+class save_recompute_policy:  # noqa: N801 - a context manager named like torch's API
+    """Run a region of forward code with graph-based activation checkpointing.
+
+    Inside the block every aten op is recorded; tensors autograd saves for backward are
+    kept or recomputed in backward as the policy decides. Blocks nest: an inner block
+    pushes its policy onto the region of the outermost one, and ``as region`` gives that
+    same region at any depth. See Note [Policy stack resolution].
+
+    Args:
+        policy: ``"recompute_all"`` (default), ``"must_save_all"``, or a callable
+            ``policy(ctx, out, op, *args, **kwargs) -> CheckpointPolicy | bool | None``.
+        debug: check each recomputed value against the forward's and name the first op
+            that diverged (only honoured by the block that opens the region).
+
+    Example:
+        >>> with ckpt_graph.save_recompute_policy("recompute_all"):
+        ...     loss = model(x).sum()
+        >>> loss.backward()  # activations are recomputed on demand
+    """
+
+    def __init__(self, policy: Any = "recompute_all", *, debug: bool = False) -> None:
+        self._policy = normalize_policy(policy)
+        self._debug = debug
+        self._region: Region | None = None
+        self._opened = False
+
+    def __enter__(self) -> Region:
+        if self._region is not None:
+            raise RuntimeError("ckpt_graph: a save_recompute_policy block cannot be entered twice")
+        region = current_region()
+        if region is None:
+            region = Region(debug=self._debug)
+            region._open_region()
+            self._opened = True
+        self._region = region
+        try:
+            region._push(self._policy)
+        except BaseException:
+            if self._opened:
+                region._close_region()
+            raise
+        return region
+
+    def __exit__(self, *exc: object) -> None:
+        region = self._region
+        assert region is not None
+        try:
+            region._pop()
+        finally:
+            if self._opened:
+                region._close_region()
+
+
+def checkpoint(fn: Callable[..., T], *args: Any, policy: Any = "recompute_all", **kwargs: Any) -> T:
+    """Return ``fn(*args, **kwargs)`` computed inside a region with ``policy``.
+
+    Example:
+        >>> h = ckpt_graph.checkpoint(block, h)  # one region per block
+    """
+    with save_recompute_policy(policy):
+        return fn(*args, **kwargs)
+
+
+def tag_with_policy(tensor: torch.Tensor, policy: CheckpointPolicy | bool) -> torch.Tensor:
+    """Decide for one value: keep it (``True``/``*_SAVE``) or recompute it.
+
+    The tag overrides every op-level answer for the value ``tensor`` holds now (a view
+    tags the view's value). A region input is always kept. Returns ``tensor``.
+
+    Raises:
+        CkptGraphError: outside a ``save_recompute_policy`` block.
+
+    Example:
+        >>> with ckpt_graph.save_recompute_policy("recompute_all"):
+        ...     h = block(x)
+        ...     ckpt_graph.tag_with_policy(h, True)  # keep the block output
+    """
+    region = current_region()
+    if region is None or not region._recording:
+        raise CkptGraphError(
+            "ckpt_graph: tag_with_policy called outside a region; call it inside a "
+            "`with ckpt_graph.save_recompute_policy(...)` block, on a tensor computed there"
+        )
+    region.tag(tensor, policy)
+    return tensor
