@@ -170,7 +170,7 @@ class MemoryReport:
         ax.axhline(self.peak_bytes / _MIB, color="red", linestyle="--", linewidth=0.8, label="peak")
         ax.set_xlabel("time (ms)")
         ax.set_ylabel(f"allocated on {self.device} (MiB)")
-        ax.legend(loc="upper left")
+        ax.legend(loc="best", fontsize="small")
         fig.savefig(os.fspath(path))
 
 
