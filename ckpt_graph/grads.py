@@ -1,0 +1,496 @@
+"""Flat gradient buffers: every parameter's ``.grad`` is a view of one contiguous buffer.
+
+One buffer per (device, dtype) holds the gradients of all parameters: one all-reduce or one
+fused optimizer kernel can cover it, and the ``.grad`` pointers stay fixed across steps, which
+CUDA graph capture needs. Gradients computed by ordinary autograd are accumulated into the
+buffer in place; a custom ``autograd.Function`` can instead write a gradient straight into its
+parameter's slice and have autograd adopt it without a copy (:meth:`FlatGrads.write_grad`).
+
+Example:
+    >>> import torch
+    >>> from ckpt_graph.grads import FlatGrads
+    >>> model = torch.nn.Linear(4, 3)
+    >>> flat = FlatGrads(model)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> flat.zero_()
+    >>> model(torch.randn(2, 4)).sum().backward()
+    >>> opt.step()
+    >>> model.weight.grad.data_ptr() == flat.buffer(torch.device("cpu"), torch.float32).data_ptr()
+    True
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ckpt_graph._errors import CkptGraphError
+
+__all__ = ["FlatGrads", "linear"]
+
+# Note [Gradient adoption]
+# AccumulateGrad (torch/csrc/autograd/functions/accumulate_grad.h) is the autograd node that
+# writes a leaf's gradient into `.grad`. For a dense gradient `new` arriving at parameter `p`:
+#   1. `p.grad` is None, grad mode is off (not create_graph), `new` is stealable and `new` obeys
+#      the layout contract -> `p.grad = new.detach()`: ADOPTION, no copy, `.grad` shares
+#      `new`'s storage. Stealable: the engine holds the only reference to `new`'s TensorImpl (a
+#      Python tensor object that is itself referenced only by that TensorImpl is allowed; one
+#      more reference is allowed if AccumulateGrad has post hooks). Any other tensor object
+#      referring to the same TensorImpl (a list, `ctx`, a local still alive) blocks it; other
+#      *views* of the same storage do not, they are separate TensorImpls. Layout contract: if
+#      `p` is non-overlapping and dense, `new` has `p`'s strides in every dimension of size > 1
+#      and no zero stride in dimensions of size 1; otherwise `new` is row-major contiguous.
+#   2. `p.grad` is None but any condition of 1 fails -> `p.grad` = a copy of `new` with the
+#      contract's layout: one read and one write per element, and a fresh allocation.
+#   3. `p.grad` exists, grad mode off -> `p.grad += new` in place: ACCUMULATION, two reads and
+#      one write per element; `.grad` keeps its storage.
+#   4. `p.grad` exists, grad mode on (create_graph=True) -> `p.grad = p.grad + new` out of
+#      place, with history: `.grad` leaves the buffer.
+# Consequences for FlatGrads:
+#   - Ordinary autograd computes every gradient into a fresh tensor, so with `.grad` attached
+#     to the buffer it always takes path 3. `zero_()` (one write per element) plus path 3 costs
+#     four memory passes per element on top of the producing kernel.
+#   - Zero-copy needs the producing kernel to write into the slice itself: `grad_destination`
+#     clears `p.grad` and returns a fresh view of the slice (layout chosen to obey the
+#     contract); the backward writes into it with `out=` and returns it; path 1 adopts it.
+#     It is handed out only when (a) the slice holds no gradient to keep (no gradient since
+#     `zero_()`, or `.grad` was set to None), (b) grad mode is off, (c) the engine will run
+#     `p`'s AccumulateGrad in this pass (not `autograd.grad`, not excluded by `inputs=`), and
+#     (d) it was not handed out already in this pass (a parameter used twice). Otherwise the
+#     caller computes out of place and path 3 (or 2) applies.
+#   - Whatever path ran, a post-accumulate-grad hook checks that `p.grad` is the buffer view.
+#     If not (path 2: something held a reference to the handed-out view, or `.grad` was None
+#     because of `optimizer.zero_grad(set_to_none=True)`; path 4), it copies the gradient in
+#     and re-attaches the view, with a warning: correct, at the cost of one extra read and
+#     write per element. Path 4 results (they carry history) are left alone until `zero_()`.
+
+
+class _State(enum.Enum):
+    EMPTY = 0  # slice zeroed by zero_(); no gradient arrived since
+    FULL = 1  # slice holds a gradient that later ones accumulate into
+    HANDED = 2  # slice handed out by grad_destination in the current pass
+
+
+class _Slot:
+    """Where one parameter's gradient lives in its buffer."""
+
+    __slots__ = (
+        "acc_node",
+        "hook",
+        "key",
+        "layout",
+        "name",
+        "offset",
+        "param",
+        "ptr",
+        "shape",
+        "shared",
+        "state",
+        "stride",
+    )
+
+    def __init__(
+        self,
+        param: torch.Tensor,
+        name: str,
+        key: tuple[torch.device, torch.dtype],
+        offset: int,
+        stride: tuple[int, ...],
+    ) -> None:
+        self.param = param
+        self.name = name
+        self.key = key
+        self.offset = offset
+        self.stride = stride
+        self.shape = tuple(param.shape)
+        self.layout = (key[0], key[1], self.shape, stride)
+        self.ptr = 0
+        self.state = _State.EMPTY
+        self.shared = False  # used more than once in one backward pass: never handed out
+        self.acc_node: Any = None
+        self.hook: Any = None
+
+
+_ALIGN_BYTES = 64
+
+
+def _is_dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for sz, st in sorted(zip(size, stride, strict=True), key=lambda d: d[1]):
+        if sz == 1:
+            continue
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def _slot_stride(p: torch.Tensor) -> tuple[int, ...]:
+    """Strides that obey the layout contract for ``p`` (see Note [Gradient adoption])."""
+    size, stride = tuple(p.shape), tuple(p.stride())
+    if not _is_dense(size, stride):
+        contiguous = []
+        acc = 1
+        for sz in reversed(size):
+            contiguous.append(acc)
+            acc *= max(sz, 1)
+        stride = tuple(reversed(contiguous))
+    return tuple(1 if sz == 1 and st == 0 else st for sz, st in zip(size, stride, strict=True))
+
+
+def _collect(
+    params_or_module: nn.Module | Iterable[torch.Tensor],
+) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(params_or_module, nn.Module):
+        named: list[tuple[str, torch.Tensor]] = list(params_or_module.named_parameters())
+    elif isinstance(params_or_module, torch.Tensor):
+        raise TypeError(
+            "FlatGrads expects a module or an iterable of parameters, got a single tensor; "
+            "wrap it in a list"
+        )
+    else:
+        named = [(f"parameter {i}", p) for i, p in enumerate(params_or_module)]
+    seen: set[int] = set()
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, p in named:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"FlatGrads: {name} is a {type(p).__name__}, not a tensor")
+        if not p.is_leaf:
+            raise ValueError(
+                f"FlatGrads: {name} is not a leaf tensor; only leaves get a .grad from backward"
+            )
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        out.append((name, p))
+    return out
+
+
+class FlatGrads:
+    """Keeps every parameter's ``.grad`` as a view of one contiguous buffer per (device, dtype).
+
+    Each slice has the parameter's own strides (row-major if the parameter is not dense), so
+    autograd accumulates into it in place and can adopt gradients written into it. Slices start
+    at 64-byte boundaries; the padding stays zero. Parameters that do not require grad are left
+    alone; a parameter listed twice (tied weights) gets one slice. Existing gradients are copied
+    into the buffer.
+
+    Args:
+        params_or_module: an ``nn.Module`` (its parameters) or an iterable of leaf tensors.
+        dtype: if given, every parameter must have this dtype (autograd requires ``.grad`` to
+            have its parameter's dtype, so a buffer cannot hold gradients in another dtype).
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        >>> flat = FlatGrads(model)
+        >>> flat.zero_()
+        >>> model(torch.randn(3, 4)).sum().backward()
+        >>> buf = flat.buffer(torch.device("cpu"), torch.float32)
+        >>> all(v.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        ...     for v in flat.views().values())
+        True
+
+    Invariants:
+        Outside a backward pass every managed parameter's ``.grad`` is None or its buffer view;
+        after its gradient arrives in a backward it is its buffer view (unless create_graph).
+
+    Known limitations:
+        - A parameter must keep its shape, dtype and device (``model.to()`` after construction
+          raises CkptGraphError at the next ``zero_()``); build a new FlatGrads instead.
+        - Each parameter carries a post-accumulate-grad hook: one Python call per parameter
+          per backward. ``remove()`` takes the hooks off.
+        - ``backward(create_graph=True)`` leaves ``.grad`` (which carries history) outside the
+          buffer until the next ``zero_()``.
+        - Sparse gradients are stored densely in the buffer.
+    """
+
+    def __init__(
+        self,
+        params_or_module: nn.Module | Iterable[torch.Tensor],
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        named = _collect(params_or_module)
+        if dtype is not None:
+            for name, p in named:
+                if p.dtype != dtype:
+                    raise TypeError(
+                        f"FlatGrads: {name} has dtype {p.dtype}, not {dtype}; autograd requires "
+                        "a .grad of the parameter's own dtype, so pass only parameters of that "
+                        "dtype (e.g. [p for p in model.parameters() if p.dtype == dtype])"
+                    )
+        sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+        self._slots: list[_Slot] = []
+        self._by_param: dict[int, _Slot] = {}
+        for name, p in named:
+            key = (p.device, p.dtype)
+            align = max(1, _ALIGN_BYTES // p.element_size())
+            offset = -(-sizes.get(key, 0) // align) * align
+            sizes[key] = offset + p.numel()
+            slot = _Slot(p, name, key, offset, _slot_stride(p))
+            self._slots.append(slot)
+            self._by_param[id(p)] = slot
+        self._buffers = {
+            key: torch.zeros(n, device=key[0], dtype=key[1]) for key, n in sizes.items()
+        }
+        self._warned: set[str] = set()
+        self_ref = weakref.ref(self)
+        for slot in self._slots:
+            buf = self._buffers[slot.key]
+            slot.ptr = buf.data_ptr() + slot.offset * buf.element_size()
+            p = slot.param
+            view = self._view(slot)
+            if p.grad is not None:
+                with torch.no_grad():
+                    view.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+                slot.state = _State.FULL
+            p.grad = view
+            # Holding the AccumulateGrad node keeps it the one the engine runs for `p`.
+            # See Note [Gradient adoption], condition (c).
+            with torch.enable_grad():
+                slot.acc_node = p.view_as(p).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+            slot.hook = p.register_post_accumulate_grad_hook(_make_hook(self_ref, slot))
+
+    # -- inspection ------------------------------------------------------------------------
+
+    def buffer(self, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+        """The flat 1-D buffer holding the gradients of the parameters on ``device``/``dtype``.
+
+        Example:
+            >>> flat.buffer("cpu", torch.float32).shape  # doctest: +SKIP
+        """
+        key = (torch.device(device), dtype)
+        if key not in self._buffers:
+            raise ValueError(
+                f"FlatGrads has no buffer for {key[0]} / {dtype}; it has "
+                f"{[(str(d), t) for d, t in self._buffers]}"
+            )
+        return self._buffers[key]
+
+    def buffers(self) -> dict[tuple[torch.device, torch.dtype], torch.Tensor]:
+        """All buffers, keyed by (device, dtype)."""
+        return dict(self._buffers)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The managed parameters, in buffer order."""
+        return [slot.param for slot in self._slots]
+
+    def views(self) -> dict[torch.Tensor, torch.Tensor]:
+        """A fresh view of every parameter's slice, keyed by parameter (identity).
+
+        The views share the buffer's storage whatever ``.grad`` currently is; holding them does
+        not prevent adoption (they are separate tensors).
+        """
+        return {slot.param: self._view(slot) for slot in self._slots}
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of all buffers (padding included)."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{d}/{t}: {b.numel()}" for (d, t), b in self._buffers.items())
+        return f"FlatGrads({len(self._slots)} parameters; {parts})"
+
+    # -- stepping --------------------------------------------------------------------------
+
+    def zero_(self) -> None:
+        """Zeroes every buffer in place and makes every ``.grad`` its buffer view again.
+
+        Pointers do not change, so it can run inside a captured CUDA graph. After it, the first
+        gradient of each parameter is accumulated into zeros, or adopted if written with
+        :meth:`write_grad`.
+        """
+        with torch.no_grad():
+            for buf in self._buffers.values():
+                buf.zero_()
+        for slot in self._slots:
+            p = slot.param
+            if (p.device, p.dtype, tuple(p.shape), _slot_stride(p)) != slot.layout:
+                dev, dt, shape, stride = slot.layout
+                raise CkptGraphError(
+                    f"ckpt_graph: FlatGrads: {slot.name} is now {p.device}/{p.dtype} with shape "
+                    f"{tuple(p.shape)} and strides {tuple(p.stride())}, but its buffer slice was "
+                    f"built for {dev}/{dt} shape {shape} strides {stride}; build a new FlatGrads "
+                    "after moving, converting or resizing the model"
+                )
+            if not self._is_attached(slot, p.grad):
+                p.grad = self._view(slot)
+            slot.state = _State.EMPTY
+
+    def remove(self) -> None:
+        """Removes the hooks; ``.grad`` views stay valid but are no longer kept in the buffer."""
+        for slot in self._slots:
+            if slot.hook is not None:
+                slot.hook.remove()
+                slot.hook = None
+
+    # -- zero-copy writes ------------------------------------------------------------------
+
+    def grad_destination(self, param: torch.Tensor) -> torch.Tensor | None:
+        """A tensor for a custom Function's backward to write ``param``'s gradient into.
+
+        Returns a fresh view of ``param``'s slice and clears ``param.grad`` when autograd will
+        adopt the result without a copy; otherwise None, and the caller computes out of place
+        (autograd then accumulates it: one extra read and write per element). The caller must
+        overwrite the whole view (e.g. ``torch.mm(a, b, out=dst)``), return it as the
+        gradient, and keep no other reference to it. See Note [Gradient adoption].
+
+        Example:
+            >>> dst = flat.grad_destination(weight)  # doctest: +SKIP
+            >>> grad_w = torch.mm(g.t(), x, out=dst) if dst is not None else g.t() @ x
+        """
+        slot = self._slot(param)
+        if slot.state is _State.HANDED:
+            slot.shared = True
+            return None
+        if slot.shared or torch.is_grad_enabled():
+            return None
+        grad = param.grad
+        if grad is not None and not (slot.state is _State.EMPTY and self._is_attached(slot, grad)):
+            return None
+        try:
+            will_run = torch._C._will_engine_execute_node(slot.acc_node)
+        except RuntimeError:  # outside backward, or inside autograd.grad
+            return None
+        if not will_run:
+            return None
+        slot.state = _State.HANDED
+        param.grad = None
+        return self._view(slot)
+
+    def write_grad(
+        self, param: torch.Tensor, compute: Callable[[torch.Tensor | None], torch.Tensor]
+    ) -> torch.Tensor:
+        """Computes ``param``'s gradient with ``compute(out)``, into its slice when possible.
+
+        ``compute`` receives the destination from :meth:`grad_destination` (or None) and must
+        return the gradient; ops taking ``out=None`` make this a one-liner.
+
+        Example:
+            >>> grad_w = flat.write_grad(weight, lambda out: torch.mm(g.t(), x, out=out))  # doctest: +SKIP
+        """
+        return compute(self.grad_destination(param))
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _slot(self, param: torch.Tensor) -> _Slot:
+        slot = self._by_param.get(id(param))
+        if slot is None or slot.param is not param:
+            raise ValueError(
+                f"FlatGrads does not manage this tensor (shape {tuple(param.shape)}); pass it "
+                "to FlatGrads(...) first"
+            )
+        return slot
+
+    def _view(self, slot: _Slot) -> torch.Tensor:
+        return self._buffers[slot.key].as_strided(slot.shape, slot.stride, slot.offset)
+
+    def _is_attached(self, slot: _Slot, grad: torch.Tensor | None) -> bool:
+        if grad is None or grad.layout != torch.strided:
+            return False
+        if grad.numel() == 0:
+            return True
+        return grad.data_ptr() == slot.ptr and tuple(grad.stride()) == slot.stride
+
+    def _after_accumulate(self, slot: _Slot) -> None:
+        p = slot.param
+        grad = p.grad
+        state, slot.state = slot.state, _State.FULL
+        if grad is None or self._is_attached(slot, grad) or grad.requires_grad:
+            return
+        view = self._view(slot)
+        with torch.no_grad():
+            view.copy_(grad.to_dense() if grad.is_sparse else grad)
+        p.grad = view
+        if state is _State.HANDED and not slot.shared:
+            self._warn_once(
+                "handed",
+                f"ckpt_graph: FlatGrads: the gradient of {slot.name} was written into its "
+                "buffer slice but autograd copied it instead of adopting it (something kept a "
+                "reference to the returned tensor, or its layout did not match); it was "
+                "copied into the buffer: two extra reads and writes per element. See Note [Gradient adoption] in ckpt_graph/grads.py",
+            )
+        elif state is not _State.HANDED and not torch.is_grad_enabled():  # not create_graph
+            self._warn_once(
+                "detached",
+                f"ckpt_graph: FlatGrads: {slot.name}.grad was not its buffer view after its "
+                "gradient arrived (.grad was None, e.g. after optimizer.zero_grad() with its "
+                "default set_to_none=True, or was replaced); the gradient was allocated fresh "
+                "and copied into the buffer: one extra read and write per element, and .grad "
+                "pointers are not stable during backward. Call flat.zero_() instead, or "
+                "optimizer.zero_grad(set_to_none=False)",
+            )
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(message, UserWarning, stacklevel=2)
+
+
+def _make_hook(
+    flat_ref: weakref.ReferenceType[FlatGrads], slot: _Slot
+) -> Callable[[torch.Tensor], None]:
+    # A weak reference, so parameters do not keep their FlatGrads (and its buffers) alive.
+    def hook(_param: torch.Tensor) -> None:
+        flat = flat_ref()
+        if flat is not None:
+            flat._after_accumulate(slot)
+
+    return hook
+
+
+class _FlatLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        flat: FlatGrads | None,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        # The parameters themselves, not the saved values: under a checkpoint region the saved
+        # weight comes back as another tensor object, and FlatGrads finds slices by identity.
+        ctx.params = (weight, bias)
+        ctx.flat = flat
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight_value = ctx.saved_tensors
+        weight, bias = ctx.params
+        flat: FlatGrads | None = ctx.flat
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        gx = grad_out.matmul(weight_value) if ctx.needs_input_grad[0] else None
+        gw = gb = None
+        if ctx.needs_input_grad[1]:
+            dst = flat.grad_destination(weight) if flat is not None else None
+            gw = torch.mm(g2.t(), x2, out=dst) if dst is not None else torch.mm(g2.t(), x2)
+        if bias is not None and ctx.needs_input_grad[2]:
+            dst = flat.grad_destination(bias) if flat is not None else None
+            gb = torch.sum(g2, 0, out=dst) if dst is not None else g2.sum(0)
+        return gx, gw, gb, None
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    flat: FlatGrads | None = None,
+) -> torch.Tensor:
+    """``F.linear`` whose weight and bias gradients are written straight into ``flat``.
+
+    With ``flat=None`` it computes the same values out of place (same kernels, bitwise equal).
+
+    Example:
+        >>> y = linear(x, layer.weight, layer.bias, flat=flat)  # doctest: +SKIP
+    """
+    return _FlatLinear.apply(x, weight, bias, flat)  # type: ignore[no-any-return]
