@@ -41,15 +41,13 @@ _PHASE_COLOURS: dict[str, str] = {
     "backward": "tab:orange",
     "recompute": "tab:green",
 }
-# CUDA devices being measured: the allocator's peak statistic is process-wide, so a second
-# measure() on the same device would reset the first one's peak.
-_CUDA_ACTIVE: set[int] = set()
-_CUDA_LOCK = threading.Lock()
-_PROFILER_LOCK = threading.Lock()
-_PROFILER_BUSY = (
-    "ckpt_graph: measure() cannot run while the PyTorch profiler is already enabled "
-    "(a nested or concurrent measure() in any thread, or a torch.profiler.profile); "
-    "measure the outer call only, or run the measurements one after the other"
+# One measure() at a time in the process: two profiler sessions started from two threads crash
+# torch, and the CUDA peak statistic is process-wide.
+_MEASURE_LOCK = threading.Lock()
+_BUSY = (
+    "ckpt_graph: measure() cannot run while another measure() (nested, or in another thread) "
+    "or a torch.profiler.profile is running; measure the outer call only, or run the "
+    "measurements one after the other"
 )
 
 # Note [Measuring CPU memory]
@@ -78,7 +76,7 @@ _PROFILER_BUSY = (
 # Python objects, buffers that libraries such as oneDNN allocate for themselves). Allocations
 # made by other threads during the call are counted (the allocator is process-wide) and get
 # their phase by time only. The profiler is process-wide too, so measure() cannot run while
-# another profiler (or another measure) is active: nesting raises CkptGraphError.
+# another profiler or measure() is active, in any thread: that raises CkptGraphError.
 
 
 @dataclass(frozen=True)
@@ -196,8 +194,8 @@ def measure(
     taken by `measure` itself: pass a `device=` meant for `fn` through a lambda.
 
     Raises:
-        CkptGraphError: if a profiler (or another measure on the same device) is running, or
-            CUDA is asked for and not available.
+        CkptGraphError: if another measure (nested or in another thread) or a profiler is
+            running, or CUDA is asked for and not available.
         ValueError: for a device that is neither CPU nor CUDA.
 
     Known limitations:
@@ -228,20 +226,23 @@ def measure_with_result(
         (torch.Size([256]), 256)
     """
     dev = torch.device(device)
-    if dev.type == "cuda":
-        return _measure_cuda(fn, args, kwargs, dev)
-    if dev.type != "cpu":
+    if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"measure: device must be 'cpu' or a CUDA device, got {device!r}")
-    # The profiler is process-wide, and two sessions started from different threads crash the
-    # process: hold a lock, and refuse to start while a profiler runs in any thread.
-    if not _PROFILER_LOCK.acquire(blocking=False):
-        raise CkptGraphError(_PROFILER_BUSY)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CkptGraphError(
+            f"ckpt_graph: measure(device={str(dev)!r}) needs CUDA, which is not available; "
+            "use device='cpu'"
+        )
+    if not _MEASURE_LOCK.acquire(blocking=False):
+        raise CkptGraphError(_BUSY)
     try:
+        if dev.type == "cuda":
+            return _measure_cuda(fn, args, kwargs, dev)
         if torch.autograd.profiler._is_profiler_enabled or torch._C._autograd._profiler_enabled():
-            raise CkptGraphError(_PROFILER_BUSY)
+            raise CkptGraphError(_BUSY)
         return _measure_cpu(fn, args, kwargs)
     finally:
-        _PROFILER_LOCK.release()
+        _MEASURE_LOCK.release()
 
 
 def _measure_cpu(
@@ -269,30 +270,14 @@ def _measure_cpu(
 def _measure_cuda(
     fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], dev: torch.device
 ) -> tuple[T, MemoryReport]:
-    if not torch.cuda.is_available():
-        raise CkptGraphError(
-            f"ckpt_graph: measure(device={str(dev)!r}) needs CUDA, which is not available; "
-            "use device='cpu'"
-        )
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    with _CUDA_LOCK:
-        if index in _CUDA_ACTIVE:
-            raise CkptGraphError(
-                f"ckpt_graph: measure() is already running on cuda:{index}; nested measures "
-                "would reset each other's peak statistics, so measure the outer call only"
-            )
-        _CUDA_ACTIVE.add(index)
-    try:
-        torch.cuda.synchronize(index)
-        torch.cuda.reset_peak_memory_stats(index)
-        start = torch.cuda.memory_allocated(index)
-        result = fn(*args, **kwargs)
-        torch.cuda.synchronize(index)
-        peak = torch.cuda.max_memory_allocated(index) - start
-        end = torch.cuda.memory_allocated(index) - start
-    finally:
-        with _CUDA_LOCK:
-            _CUDA_ACTIVE.discard(index)
+    torch.cuda.synchronize(index)
+    torch.cuda.reset_peak_memory_stats(index)
+    start = torch.cuda.memory_allocated(index)
+    result = fn(*args, **kwargs)
+    torch.cuda.synchronize(index)
+    peak = torch.cuda.max_memory_allocated(index) - start
+    end = torch.cuda.memory_allocated(index) - start
     return result, MemoryReport(peak, end, (), f"cuda:{index}")
 
 
@@ -319,7 +304,7 @@ def _replay(roots: list[Any]) -> MemoryReport:
     allocs: list[tuple[int, int, int, str]] = []  # (time_ns, ptr, signed size, op)
     ranges: list[tuple[int, int, Phase]] = []  # (start_ns, end_ns, phase)
     window: tuple[int, int] | None = None
-    stack: list[tuple[Any, str]] = [(e, "") for e in roots]
+    stack: list[tuple[Any, str]] = [(e, "") for e in reversed(roots)]
     while stack:
         event, op = stack.pop()
         fields = event.extra_fields
@@ -334,7 +319,8 @@ def _replay(roots: list[Any]) -> MemoryReport:
             if name.startswith(prefix):
                 ranges.append((event.start_time_ns, event.end_time_ns, range_phase))
         child_op = op or (name if name.startswith("aten::") else "")
-        stack.extend((child, child_op) for child in event.children)
+        # Pre-order, so that events with equal times keep their order through the stable sort.
+        stack.extend((child, child_op) for child in reversed(event.children))
     if window is None:
         raise CkptGraphError("ckpt_graph: measure() found no events from the profiler")
     start_ns, end_ns = window

@@ -164,7 +164,7 @@ def test_nested_measure_raises_and_outer_still_works() -> None:
     assert report.peak_bytes == report.end_bytes == MIB
     with (
         profile(activities=[ProfilerActivity.CPU]),
-        pytest.raises(CkptGraphError, match="profiler is already enabled"),
+        pytest.raises(CkptGraphError, match=r"or a torch\.profiler\.profile is running"),
     ):
         measure(inner)
 
@@ -194,7 +194,7 @@ def test_concurrent_measure_in_another_thread_raises() -> None:
     report = measure(fn)
     thread.join()
     assert len(errors) == 1
-    assert "concurrent measure() in any thread" in str(errors[0])
+    assert "another measure() (nested, or in another thread)" in str(errors[0])
     assert report.peak_bytes == report.end_bytes == MIB
 
 
@@ -226,6 +226,44 @@ def test_bad_device_raises() -> None:
 def test_cuda_without_cuda_raises() -> None:
     with pytest.raises(CkptGraphError, match=r"^ckpt_graph: measure\(device='cuda'\) needs CUDA"):
         measure(_block, MIB, device="cuda")
+
+
+class _FakeCudaAllocator:
+    """Stands in for torch.cuda's counters, to check measure's CUDA arithmetic without a GPU."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, allocated: int) -> None:
+        self.allocated = self.peak = allocated
+        for name, value in {
+            "is_available": lambda: True,
+            "current_device": lambda: 0,
+            "synchronize": lambda index: None,
+            "reset_peak_memory_stats": self.reset,
+            "memory_allocated": lambda index: self.allocated,
+            "max_memory_allocated": lambda index: self.peak,
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+    def reset(self, index: int) -> None:
+        self.peak = self.allocated
+
+    def add(self, nbytes: int) -> None:
+        self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
+
+
+def test_cuda_arithmetic_with_fake_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeCudaAllocator(monkeypatch, allocated=5 * MIB)
+    fake.peak = 9 * MIB  # an earlier peak: must be reset, not reported
+
+    def fn() -> None:
+        fake.add(2 * MIB)
+        fake.add(-MIB)
+        with pytest.raises(CkptGraphError, match=r"^ckpt_graph: measure\(\) cannot run while"):
+            measure(fn, device="cuda")
+
+    report = measure(fn, device="cuda")
+    assert (report.peak_bytes, report.end_bytes, report.device) == (2 * MIB, MIB, "cuda:0")
+    assert report.timeline == ()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
