@@ -65,6 +65,7 @@ class Handle:
     """
 
     __slots__ = (
+        "__weakref__",
         "cache",
         "dtype",
         "has_views",
@@ -83,7 +84,6 @@ class Handle:
         "uses",
         "value",
         "version",
-        "__weakref__",
     )
 
     def __init__(self, t: torch.Tensor, node_index: int, index: int) -> None:
@@ -138,6 +138,9 @@ class OpInfo:
         view_outputs: indices of returns that are views of an input (``Tensor(a)``).
         is_random: the op draws from a random generator.
         is_inplace_view: the op changes only the metadata of its input (``t_``).
+        silent_writes: the writes are not in the schema and bump no version counter (CPU
+            ``native_batch_norm``): eager autograd cannot see them, so neither do saved
+            tensors of the old value.
     """
 
     name: str
@@ -146,6 +149,7 @@ class OpInfo:
     view_outputs: tuple[int, ...]
     is_random: bool
     is_inplace_view: bool
+    silent_writes: bool = False
 
     @property
     def is_inplace(self) -> bool:
@@ -179,7 +183,8 @@ def _compute_op_info(op: OpOverload) -> OpInfo:
     for i, arg in enumerate(schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
             writes.append(arg.name if arg.kwarg_only else i)
-    if op.name() in _UNANNOTATED_WRITES and op._overloadname in ("default", ""):
+    silent = op.name() in _UNANNOTATED_WRITES and op._overloadname in ("default", "")
+    if silent:
         writes.extend(_UNANNOTATED_WRITES[op.name()])
     returns = schema.returns
     returns_written = bool(returns) and all(
@@ -198,6 +203,7 @@ def _compute_op_info(op: OpOverload) -> OpInfo:
         view_outputs=view_outputs,
         is_random=torch.Tag.nondeterministic_seeded in tags,
         is_inplace_view=torch.Tag.inplace_view in tags,
+        silent_writes=silent,
     )
 
 

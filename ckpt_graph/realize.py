@@ -260,7 +260,7 @@ def run_node(region: Region, node: OpNode) -> None:
     node.realized += 1
     region._pass.recomputed_ops += 1
     outs = out if node.out_is_tuple else (out,)
-    for o, v in zip(node.outputs, outs):
+    for o, v in zip(node.outputs, outs, strict=True):
         if o is not None and o.reason is None and o.pending > 0:
             o.cache = v
     for i in node.inputs:

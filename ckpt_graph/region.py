@@ -136,21 +136,21 @@ class Region:
             h.cache = None
         for node in self.nodes:
             node.rng = None
-            for h in node.outputs:
-                if h is not None:
-                    h.value = None
-                    h.cache = None
+            for o in node.outputs:
+                if o is not None:
+                    o.value = None
+                    o.cache = None
 
     # ----------------------------------------------------------------- handles
     def handle_of(self, t: torch.Tensor) -> Handle:
         """The handle of the value ``t`` holds now; a new kept input handle if unseen."""
-        h = self._ids.get(id(t))
-        if h is not None and h.ref is not None and h.ref() is t:
-            if h.version == t._version:
-                return h
-            if h.version == -1:
-                h.version = t._version
-                return h
+        old = self._ids.get(id(t))
+        if old is not None and old.ref is not None and old.ref() is t:
+            if old.version == t._version:
+                return old
+            if old.version == -1:
+                old.version = t._version
+                return old
             reason = graph.MUTATED_ALIAS
         else:
             reason = graph.INPUT
@@ -176,9 +176,8 @@ class Region:
             h = self.handle_of(a)
             inputs.append(h)
             return h
-        if type(a) is list or type(a) is tuple:
-            if any(isinstance(e, torch.Tensor) for e in a):
-                return [self._scan_one(e, inputs) for e in a]
+        if (type(a) is list or type(a) is tuple) and any(isinstance(e, torch.Tensor) for e in a):
+            return [self._scan_one(e, inputs) for e in a]
         return a
 
     # ----------------------------------------------------------------- mutation
@@ -308,7 +307,7 @@ class Region:
             written = h_args[w] if isinstance(w, int) else h_kwargs.get(w)
             if not isinstance(written, Handle):
                 continue
-            written.superseded = True
+            written.superseded = not info.silent_writes
             if first is None:
                 first = written
             if not info.returns_written:
@@ -343,11 +342,11 @@ class Region:
         keep = decision in _KEEP
         if node.info.is_random and node.rng is None:
             keep = True  # no generator replay for this device
-        for o, h in zip(outs, node.outputs):
+        for o, h in zip(outs, node.outputs, strict=True):
             if h is None:
                 continue
             if previous is not None and previous.value is o:
-                h.keep(o, graph.INPLACE_ON_KEPT)
+                h.keep(previous.value, graph.INPLACE_ON_KEPT)
             elif keep:
                 self._keep(h, o, graph.POLICY, _KEEP.get(decision, False))
             else:
@@ -356,7 +355,7 @@ class Region:
             if self._by_storage is not None:
                 self._index_storage(h)
 
-    def _keep(self, h: Handle, t: torch.Tensor, reason: str, offload: bool) -> None:
+    def _keep(self, h: Handle, t: torch.Tensor, reason: str, offload: bool | None) -> None:
         if offload and t.device.type != "cpu":
             h.offload_device = t.device
             t = t.to("cpu", non_blocking=True)
@@ -423,7 +422,7 @@ class Region:
         return f"Region({len(self.nodes)} ops, {self.kept_bytes} kept bytes, {state})"
 
 
-class save_recompute_policy:  # noqa: N801 - a context manager named like torch's API
+class save_recompute_policy:
     """Run a region of forward code with graph-based activation checkpointing.
 
     Inside the block every aten op is recorded; tensors autograd saves for backward are
