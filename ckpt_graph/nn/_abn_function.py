@@ -24,8 +24,7 @@ __all__ = ["ACTIVATIONS", "inplace_abn"]
 
 ACTIVATIONS = ("leaky_relu", "elu", "identity")
 
-# Temporaries of the chunked helpers hold at most this fraction of the tensor (but at least
-# one sample along dim 0).
+# Temporaries of the chunked helpers hold about this fraction of the tensor.
 _CHUNKS = 8
 
 # Note [In-place activated BatchNorm]
@@ -62,7 +61,7 @@ _CHUNKS = 8
 #      a second backward through the same graph (retain_graph=True) raises CkptGraphError.
 #      After backward the tensor the user got as output holds x_hat, not y: read it before.
 #    - Per-channel sums use no full-size temporary: sum(dz * x_hat) and the ELU inverse are
-#      computed in chunks along dim 0 (at most 1/_CHUNKS of the tensor at a time).
+#      computed in chunks along the largest non-channel dim (~1/_CHUNKS of the tensor at a time).
 # 5. Never assume two buffers do not alias: dy is reused only if `_owned` proves nobody else can
 #    see it: one C++ reference (no other tensor object, no autograd buffer of another node), one
 #    tensor on its storage (no view, no saved copy, not y itself) and no extra Python reference
@@ -79,11 +78,17 @@ def _reduce_dims(x: torch.Tensor) -> list[int]:
 
 
 def _chunks(*tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
-    """Yield matching views of `tensors` along dim 0, each at most 1/_CHUNKS of the whole."""
-    n = tensors[0].shape[0]
-    step = max(1, n // _CHUNKS)
-    for start in range(0, n, step):
-        yield tuple(t[start : start + step] for t in tensors)
+    """Yield matching views of `tensors`, each at most ~1/_CHUNKS of the whole.
+
+    The split runs along the largest non-channel dim, so per-channel sums stay exact sums of
+    the pieces.
+    """
+    first = tensors[0]
+    dim = max(_reduce_dims(first), key=lambda d: first.shape[d])
+    size = first.shape[dim]
+    step = max(1, -(-size // _CHUNKS))
+    for start in range(0, size, step):
+        yield tuple(t.narrow(dim, start, min(step, size - start)) for t in tensors)
 
 
 def _storage_refs(t: torch.Tensor) -> int:
@@ -118,7 +123,7 @@ def _measure_baselines() -> tuple[int, int]:
     with torch.enable_grad():
         y = _Probe.apply(torch.zeros(2, requires_grad=True))
         node = y.grad_fn
-        y.backward(torch.ones(2))
+        (y * 2.0).sum().backward()  # y's gradient: a fresh tensor made by MulBackward
     return int(node.refs[0]), _storage_refs(torch.empty(1))  # type: ignore[union-attr]
 
 

@@ -64,7 +64,13 @@ def _check_writable(x: torch.Tensor) -> None:
         )
     if not hasattr(x, "_use_count") or not hasattr(torch._C, "_storage_Use_Count"):
         return
-    shared = x._use_count() > 1 or _storage_refs(x) > _storage_refs(torch.empty(1))
+    # A lone tensor has one TensorImpl on its storage; a view adds its base, which only the
+    # view's autograd metadata and the Python object `x._base` creates may hold.
+    base = x._base
+    allowed = _storage_refs(torch.empty(1)) + (base is not None)
+    shared = x._use_count() > 1 or _storage_refs(x) > allowed
+    if base is not None:
+        shared = shared or base._use_count() > 2
     if shared and not _saved_tensor_hooks_active():
         raise CkptGraphError(
             f"ckpt_graph: InPlaceABN cannot write its input of shape {tuple(x.shape)} in place: "
