@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from types import SimpleNamespace
 from typing import Any
 
+import models  # tests/models.py: the shared zoo and run/check helpers
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 import ckpt_graph
 from ckpt_graph import policies
@@ -246,10 +252,6 @@ def test_combinators_reject_bad_policies(combinator: Any) -> None:
         combinator(policies.save_matmuls(), 3)
 
 
-_HAS_NAMED = hasattr(getattr(policies, "_core", None), "resolve_policy")
-
-
-@pytest.mark.skipif(not _HAS_NAMED, reason="needs string policy names from policies._core")
 @pytest.mark.parametrize(
     ("name", "expected"), [("recompute_all", PREFER_RECOMPUTE), ("must_save_all", MUST_SAVE)]
 )
@@ -257,7 +259,13 @@ def test_combinators_accept_string_names(name: str, expected: Any) -> None:
     policy = policies.first_answer(policies.save_ops(aten.mm, rest=None), name)
     assert ask(policy, aten.mm.default) is MUST_SAVE
     assert ask(policy, aten.relu.default) is expected
-    assert name in repr(policy)
+    assert repr(policy) == f"first_answer(save_ops(aten.mm, rest=None), {name!r})"
+
+
+@pytest.mark.parametrize("combinator", [policies.first_answer, policies.any_save])
+def test_combinators_reject_unknown_names(combinator: Any) -> None:
+    with pytest.raises(ValueError, match="unknown policy 'save_all'"):
+        combinator("save_all")
 
 
 # ---------------------------------------------------------------- from_torch_sac
@@ -446,29 +454,6 @@ def test_save_module_outputs_answers_prefer_recompute_for_every_op() -> None:
         assert ask(policy, op) is PREFER_RECOMPUTE
 
 
-def test_save_module_outputs_adopts_ctx_module_path(monkeypatch: Any) -> None:
-    # The policy is pushed from inside a block's forward: its own naming would call the block
-    # "", the engine's ctx.module_path says "layers.1"; the engine's name wins.
-    policy = policies.save_module_outputs("layers.1.mlp")
-    tagged: list[Any] = []
-    monkeypatch.setattr(_modules, "_tag_outputs", tagged.append)
-    block = Block(8)
-    model = nn.Module()
-    model.layers = nn.ModuleList([Block(8), block])
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        policy(fake_ctx(module=block, module_path="layers.1"), None, aten.add.Tensor)
-        return block.mlp(x)
-
-    policy.on_region_enter(None)
-    try:
-        policy._state().stack.append([block, ""])  # as if the pre-hook had seen the block
-        out = forward(torch.randn(2, 8))
-    finally:
-        policy.on_region_exit(None)
-    assert len(tagged) == 1 and tagged[0] is out
-
-
 def test_save_module_outputs_hooks_are_removed_and_thread_local(monkeypatch: Any) -> None:
     before = (
         len(nn.modules.module._global_forward_pre_hooks),
@@ -526,3 +511,254 @@ def test_save_module_outputs_survives_a_forward_that_raises(monkeypatch: Any) ->
 def test_save_module_outputs_rejects_bad_match(bad: Any) -> None:
     with pytest.raises(TypeError, match="save_module_outputs: "):
         policies.save_module_outputs(bad)
+
+
+# ---------------------------------------------------------------- end to end (needs the engine)
+
+MATMUL_PACKETS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution}
+
+
+def _is_matmul(op: Any) -> bool:
+    return op.overloadpacket in MATMUL_PACKETS or str(op).startswith("aten._scaled_dot_product")
+
+
+def _kept(region: Any, reasons: tuple[str, ...] = ("policy", "tag")) -> set[tuple[int, int]]:
+    """(node index, output index) of the values the region kept by policy or tag."""
+    return {
+        (node.index, h.index)
+        for node in region.nodes
+        for h in node.outputs
+        if h is not None and h.reason in reasons
+    }
+
+
+def _outputs_where(region: Any, pred: Any) -> set[tuple[int, int]]:
+    return {
+        (node.index, h.index)
+        for node in region.nodes
+        for h in node.outputs
+        if h is not None and pred(node)
+    }
+
+
+def _sac_mm_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    assert ctx.is_recompute is False
+    return MUST_SAVE if op.overloadpacket in (aten.addmm, aten.mm) else PREFER_RECOMPUTE
+
+
+def _select_wide(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+    return bool(ctx.out_bytes >= 256)
+
+
+E2E_POLICIES = {
+    "save_ops": lambda: policies.save_ops(aten.addmm, aten.mm.default),
+    "save_matmuls": policies.save_matmuls,
+    "recompute_ops": lambda: policies.recompute_ops(aten.gelu, aten.native_layer_norm),
+    "save_module_outputs": lambda: policies.save_module_outputs("blocks.*"),
+    "offload": lambda: policies.offload(_select_wide),
+    "first_answer": lambda: policies.first_answer(
+        policies.save_ops(aten.addmm, rest=None), "recompute_all"
+    ),
+    "any_save": lambda: policies.any_save(
+        policies.save_ops(aten.addmm), policies.save_module_outputs("blocks.*")
+    ),
+    "from_torch_sac_list": lambda: policies.from_torch_sac([aten.addmm.default]),
+    "from_torch_sac_fn": lambda: policies.from_torch_sac(_sac_mm_policy),
+}
+
+
+@needs_engine
+@pytest.mark.parametrize("name", list(E2E_POLICIES))
+@pytest.mark.parametrize("model_name", ["mlp", "cnn", "transformer"])
+def test_gradients_match_eager(model_name: str, name: str) -> None:
+    model, x = models.make_model(model_name)
+    models.check(model, [x], E2E_POLICIES[name]())
+
+
+@needs_engine
+@pytest.mark.parametrize("model_name", ["mlp", "cnn", "transformer"])
+def test_save_matmuls_keeps_exactly_the_matmuls(model_name: str) -> None:
+    model, x = models.make_model(model_name)
+    _, got = models.check(model, [x], policies.save_matmuls())
+    region = got.region
+    assert _kept(region, ("policy",)) == _outputs_where(region, lambda n: _is_matmul(n.op))
+    for node in region.nodes:
+        if _is_matmul(node.op):
+            assert node.decision is MUST_SAVE and node.realized == 0, node
+    assert any(n.realized for n in region.nodes if not _is_matmul(n.op))
+
+
+@needs_engine
+def test_save_ops_packet_keeps_every_overload_but_overload_only_itself() -> None:
+    model, x = models.make_model("transformer")
+    _, by_packet = models.check(model, [x], policies.save_ops(aten.addmm))
+    _, by_overload = models.check(model, [x], policies.save_ops(aten.addmm.out))
+    addmm = _outputs_where(by_packet.region, lambda n: n.op.overloadpacket is aten.addmm)
+    assert addmm and _kept(by_packet.region) == addmm
+    assert _kept(by_overload.region) == set()
+
+
+@needs_engine
+def test_recompute_ops_alone_keeps_everything_else() -> None:
+    model, x = models.make_model("mlp")
+    _, got = models.check(model, [x], policies.recompute_ops(aten.gelu))
+    region = got.region
+    gelu = _outputs_where(region, lambda n: n.op.overloadpacket is aten.gelu)
+    assert gelu
+    assert _kept(region) == _outputs_where(region, lambda n: True) - gelu
+
+
+@needs_engine
+@pytest.mark.parametrize(
+    ("match", "paths"),
+    [
+        ("blocks.*", ["blocks.0.2", "blocks.1.2", "blocks.2.2"]),
+        (nn.GELU, ["blocks.0.1", "blocks.1.1", "blocks.2.1"]),
+        (lambda name, m: name in ("blocks.0", "out"), ["blocks.0.2", "out"]),
+    ],
+)
+def test_save_module_outputs_keeps_the_module_outputs(match: Any, paths: list[str]) -> None:
+    # In MLP, block i is Sequential(Linear, GELU, Linear): its output is made by blocks.i.2's op.
+    model, x = models.make_model("mlp")
+    _, got = models.check(model, [x], policies.save_module_outputs(match))
+    region = got.region
+    kept = sorted(_kept(region))
+    assert [region.nodes[i].module_path for i, _ in kept] == paths
+    assert all(region.nodes[i].decided_by == "tag" for i, _ in kept)
+    assert region.kept_bytes == sum(region.nodes[i].outputs[j].nbytes for i, j in kept)
+
+
+@needs_engine
+def test_save_module_outputs_pushed_inside_the_model_uses_the_engine_names() -> None:
+    # The policy enters with block 1 (a nested block inside the model's forward): names are
+    # still relative to the model, the outermost module of the region.
+    model, x = models.make_model("mlp")
+    model.block_policy = {1: policies.save_module_outputs("blocks.1.*")}
+    _, got = models.check(model, [x], "recompute_all")
+    region = got.region
+    assert [region.nodes[i].module_path for i, _ in sorted(_kept(region))] == [
+        "blocks.1.0",
+        "blocks.1.1",
+        "blocks.1.2",
+    ]
+
+
+@needs_engine
+def test_offload_on_cpu_keeps_exactly_the_selected_values() -> None:
+    model, x = models.make_model("mlp")
+    policy = policies.first_answer(policies.offload(_select_wide), "recompute_all")
+    region = models.check(model, [x], policy)[1].region
+    wide = _outputs_where(region, lambda n: sum(h.nbytes for h in n.outputs if h) >= 256)
+    assert wide and _kept(region) == wide
+    for node in region.nodes:
+        selected = (node.index, 0) in wide
+        assert (node.decision is PREFER_CPU_OFFLOAD) == selected, node
+        assert all(h is None or h.offload_device is None for h in node.outputs)  # CPU: no copy
+
+
+@needs_engine
+def test_conflicting_must_answers_name_both_policies() -> None:
+    model, x = models.make_model("mlp")
+    model.block_policy = {1: policies.recompute_ops(aten.addmm, must=True)}
+    with (
+        pytest.raises(
+            ckpt_graph.CkptGraphError,
+            match=r"save_matmuls\(\) answered MUST_SAVE and "
+            r"recompute_ops\(aten\.addmm, must=True\) answered MUST_RECOMPUTE",
+        ),
+        ckpt_graph.save_recompute_policy(policies.save_matmuls()),
+    ):
+        model(x)
+
+
+@needs_engine
+@pytest.mark.parametrize(
+    "sac", [[aten.addmm.default], _sac_mm_policy], ids=["op_list", "policy_fn"]
+)
+def test_from_torch_sac_matches_torch_checkpoint(sac: Any) -> None:
+    model, x = models.make_model("mlp")
+    ref = models.run(model, [x], policies.from_torch_sac(sac))
+
+    def torch_sac(m: Any, inp: torch.Tensor) -> torch.Tensor:
+        context_fn = functools.partial(create_selective_checkpoint_contexts, sac)
+        return checkpoint(m, inp, use_reentrant=False, context_fn=context_fn)  # type: ignore[no-any-return]
+
+    got = models.run(torch_sac, [model, x], None)
+    torch.testing.assert_close(got.outputs, ref.outputs, rtol=0, atol=0)
+    torch.testing.assert_close(got.grads[1:], ref.grads[1:], rtol=0, atol=0)  # [0]: x, no grad
+    assert _kept(ref.region) == _outputs_where(ref.region, lambda n: n.op is aten.addmm.default) | (
+        set()
+        if isinstance(sac, list)
+        else _outputs_where(ref.region, lambda n: n.op is aten.mm.default)
+    )
+
+
+@needs_engine
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offload_on_cuda_keeps_values_in_host_memory() -> None:
+    model, x = models.make_model("mlp")
+    model, x = model.cuda(), x.cuda()
+    with ckpt_graph.save_recompute_policy(policies.offload(_select_wide)) as region:
+        y = model(x)
+    offloaded = [
+        h for n in region.nodes for h in n.outputs if h is not None and h.offload_device is not None
+    ]
+    assert offloaded and all(h.value.device.type == "cpu" for h in offloaded)
+    y.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    for a, b in zip(grads, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# Every default built-in, for the nesting tests. See Note [Built-in policy strengths].
+DEFAULT_BUILTINS = {
+    **{k: v for k, v in E2E_POLICIES.items() if not k.startswith("from_torch_sac")},
+    "recompute_all": lambda: "recompute_all",
+    "must_save_all": lambda: "must_save_all",
+}
+# Disjoint selections on the MLP: tanh runs outside the blocks, GELU and matmuls inside them.
+SAVE_SELECTIONS = {
+    "save_ops": lambda: policies.save_ops(aten.tanh),
+    "save_matmuls": policies.save_matmuls,
+    "save_module_outputs": lambda: policies.save_module_outputs(nn.GELU),
+}
+
+
+def _kept_under(
+    outer: str, inner: str | None = None, table: Any = DEFAULT_BUILTINS
+) -> tuple[Any, set[tuple[int, int]]]:
+    """Run the MLP under ``outer``, with ``inner`` pushed around every block; check grads."""
+    model, x = models.make_model("mlp")
+    if inner is not None:
+        model.block_policy = {i: table[inner]() for i in range(len(model.blocks))}
+    got = models.run(model, [x], table[outer]())
+    models.assert_same(_mlp_reference(), got)
+    return got.region, _kept(got.region)
+
+
+@functools.cache
+def _mlp_reference() -> Any:
+    model, x = models.make_model("mlp")
+    return models.run(model, [x], None)
+
+
+@needs_engine
+@pytest.mark.parametrize("inner", list(DEFAULT_BUILTINS))
+@pytest.mark.parametrize("outer", list(DEFAULT_BUILTINS))
+def test_default_builtins_nest_without_conflict(outer: str, inner: str) -> None:
+    _kept_under(outer, inner)  # raises CkptGraphError on a conflict; checks gradients
+
+
+@needs_engine
+@pytest.mark.parametrize("inner", SAVE_SELECTIONS)
+@pytest.mark.parametrize("outer", SAVE_SELECTIONS)
+def test_nested_save_selections_keep_the_union(outer: str, inner: str) -> None:
+    region, both = _kept_under(outer, inner, SAVE_SELECTIONS)
+    _, outer_alone = _kept_under(outer, None, SAVE_SELECTIONS)
+    _, inner_alone = _kept_under(inner, None, SAVE_SELECTIONS)
+    assert outer_alone and inner_alone
+    # The inner policy only sees the ops of the blocks it is pushed around.
+    in_blocks = {k for k in inner_alone if region.nodes[k[0]].module_path.startswith("blocks.")}
+    assert both == outer_alone | in_blocks

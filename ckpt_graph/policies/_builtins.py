@@ -119,15 +119,9 @@ class Policy(abc.ABC):
 def _resolve(policy: PolicyLike, where: str) -> Callable[..., Answer]:
     """Turn a string name into its policy; check that anything else is callable."""
     if isinstance(policy, str):
-        from ckpt_graph.policies import _core  # late: _core may import this module
+        from ckpt_graph.policies._core import normalize_policy  # late: _core may import us
 
-        resolve = getattr(_core, "resolve_policy", None)
-        if resolve is None:
-            raise TypeError(
-                f"{where}: string policy names ({policy!r}) need ckpt_graph.policies._core; "
-                "pass a callable policy instead"
-            )
-        resolved: Callable[..., Answer] = resolve(policy)
+        resolved: Callable[..., Answer] = normalize_policy(policy)
         return resolved
     if not callable(policy):
         raise TypeError(

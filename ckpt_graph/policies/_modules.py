@@ -40,14 +40,13 @@ ModuleMatch: TypeAlias = (
 # 1. Hooks are installed by on_region_enter and removed by on_region_exit (optional methods the
 #    engine calls on policy objects); each thread has its own hooks, which ignore calls from
 #    other threads, so regions in different threads stay independent.
-# 2. Qualified names follow ctx.module_path: the outermost module called while the policy is
-#    active is "" and a child is found among its parent's submodules ("layers.3.mlp"). When an
-#    op reports ctx.module equal to the running module, ctx.module_path is adopted as its name,
-#    so the engine's naming wins where they could differ (e.g. the policy was pushed from
-#    inside a module's forward).
-# 3. A module called that is not a submodule of the running one (a shared module passed in as
-#    an argument) is named by its class name under the running module's name.
-# 4. The hook runs with always_call=True so that a forward that raises still pops the stack.
+# 2. Qualified names are what ctx.module_path says (see Note [Module path tracking] in
+#    ckpt_graph/_modules.py). The engine's module hooks are installed when the region opens,
+#    before on_region_enter, so they run first: the pre-hook reads the name the engine gave
+#    the module it just pushed. Without an engine region (direct use of the hooks) the same
+#    rule is applied locally: names from named_modules() of the outermost module called while
+#    the policy is active, which is "", and a module outside it named after its class.
+# 3. The hook runs with always_call=True so that a forward that raises still pops the stack.
 
 
 def _split(name: str) -> list[str]:
@@ -100,16 +99,6 @@ def _compile(match: ModuleMatch) -> tuple[Callable[[str, nn.Module], bool], str]
     )
 
 
-def _child_name(parent: nn.Module, child: nn.Module) -> str:
-    for name, sub in parent._modules.items():
-        if sub is child:
-            return name
-    for name, sub in parent.named_modules(remove_duplicate=False):
-        if sub is child and name:
-            return str(name)
-    return type(child).__name__  # See Note [Module outputs from module hooks], rule 3
-
-
 class _ThreadState:
     """Per-thread hook state of one save_module_outputs object.
 
@@ -118,12 +107,27 @@ class _ThreadState:
         forward is running in this thread and started while the hooks were installed.
     """
 
-    __slots__ = ("depth", "handles", "stack")
+    __slots__ = ("depth", "handles", "names", "root", "stack")
 
     def __init__(self) -> None:
         self.depth = 0
         self.handles: list[RemovableHandle] = []
         self.stack: list[list[Any]] = []  # [module, qualified name]
+        self.root: nn.Module | None = None
+        self.names: dict[int, str] = {}  # id(submodule of root) -> qualified name
+
+    def name_of(self, module: nn.Module) -> str:
+        """Qualified name of a module about to run. See Note [Module outputs from module hooks]."""
+        from ckpt_graph.region import current_region  # late: region imports this package
+
+        modules = getattr(current_region(), "_modules", None)
+        if modules is not None and modules.current() is module:
+            return str(modules.path())  # the engine's name: what ctx.module_path says
+        if not self.stack and module is not self.root:
+            self.root = module
+            self.names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+        name = self.names.get(id(module))
+        return name if name is not None else type(module).__name__
 
 
 class save_module_outputs(Policy):
@@ -165,6 +169,14 @@ class save_module_outputs(Policy):
         self._match, self._text = _compile(match)
         self._local = threading.local()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Hook state belongs to the threads running regions now; a copy starts without it.
+        return {k: v for k, v in self.__dict__.items() if k != "_local"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
     def _state(self) -> _ThreadState:
         state: _ThreadState | None = getattr(self._local, "state", None)
         if state is None:
@@ -172,11 +184,6 @@ class save_module_outputs(Policy):
         return state
 
     def __call__(self, ctx: Any, out: Any, op: OpOverload, *args: Any, **kwargs: Any) -> Answer:
-        stack = self._state().stack
-        if stack:
-            top = stack[-1]
-            if top[0] is getattr(ctx, "module", None):
-                top[1] = ctx.module_path  # See Note [Module outputs from module hooks], rule 2
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     def on_region_enter(self, region: Any) -> None:
@@ -205,19 +212,14 @@ class save_module_outputs(Policy):
                 handle.remove()
             state.handles = []
             state.stack.clear()
+            state.root = None
+            state.names = {}
 
     def _make_pre_hook(self, state: _ThreadState, owner: int) -> Callable[..., None]:
         def pre_hook(module: nn.Module, args: Any) -> None:
             if threading.get_ident() != owner:
                 return
-            stack = state.stack
-            if stack:
-                parent, parent_name = stack[-1]
-                child = _child_name(parent, module)
-                name = f"{parent_name}.{child}" if parent_name else child
-            else:
-                name = ""
-            stack.append([module, name])
+            state.stack.append([module, state.name_of(module)])
 
         return pre_hook
 
@@ -244,7 +246,7 @@ class save_module_outputs(Policy):
 
 
 def _tag_outputs(output: Any) -> None:
-    from ckpt_graph import tag_with_policy  # late: ckpt_graph imports the policies package
+    from ckpt_graph.region import tag_with_policy  # late: region imports this package
 
     for leaf in _pytree.tree_leaves(output):
         if isinstance(leaf, torch.Tensor):
