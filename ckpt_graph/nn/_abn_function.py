@@ -95,6 +95,11 @@ def _storage_refs(t: torch.Tensor) -> int:
     return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
 
 
+def _tensor_refs(t: torch.Tensor) -> int:
+    """C++ references to `t`'s TensorImpl (a Python object counts once)."""
+    return int(t._use_count())  # type: ignore[attr-defined]
+
+
 def _python_refs(t: torch.Tensor) -> int:
     return sys.getrefcount(t)
 
@@ -136,7 +141,7 @@ def _owned(grad: torch.Tensor, python_refs: int) -> bool:
     return (
         _BASELINE_PYTHON_REFS >= 0
         and python_refs <= _BASELINE_PYTHON_REFS
-        and grad._use_count() == 1  # type: ignore[attr-defined]
+        and _tensor_refs(grad) == 1
         and _storage_refs(grad) == _BASELINE_STORAGE_REFS
     )
 

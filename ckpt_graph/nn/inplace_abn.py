@@ -18,7 +18,13 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from ckpt_graph._errors import CkptGraphError
-from ckpt_graph.nn._abn_function import ACTIVATIONS, inplace_abn
+from ckpt_graph.nn._abn_function import (
+    _BASELINE_STORAGE_REFS,
+    ACTIVATIONS,
+    _storage_refs,
+    _tensor_refs,
+    inplace_abn,
+)
 
 __all__ = ["InPlaceABN", "convert_bn_act"]
 
@@ -41,10 +47,6 @@ def _check_activation(activation: str, activation_param: float) -> None:
         )
 
 
-def _storage_refs(t: torch.Tensor) -> int:
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
-
-
 def _check_writable(x: torch.Tensor) -> None:
     """Raise if writing `x` in place would break autograd or another tensor sharing it."""
     # See Note [In-place activated BatchNorm].
@@ -62,16 +64,16 @@ def _check_writable(x: torch.Tensor) -> None:
             "that requires grad (autograd needs its value). Pass x.clone(), or normalise the "
             "output of a layer (conv, linear) instead."
         )
-    if not hasattr(x, "_use_count") or not hasattr(torch._C, "_storage_Use_Count"):
+    if _BASELINE_STORAGE_REFS < 0:  # this torch cannot count references
         return
     # A lone tensor has one TensorImpl on its storage; a view adds its base, which only the
     # view's autograd metadata and the Python object `x._base` creates may hold.
     base = x._base
-    allowed = _storage_refs(torch.empty(1)) + (base is not None)
-    shared = x._use_count() > 1 or _storage_refs(x) > allowed
+    allowed = _BASELINE_STORAGE_REFS + (base is not None)
+    shared = _tensor_refs(x) > 1 or _storage_refs(x) > allowed
     if base is not None:
-        shared = shared or base._use_count() > 2
-    if shared and not _saved_tensor_hooks_active():
+        shared = shared or _tensor_refs(base) > 2
+    if shared:
         raise CkptGraphError(
             f"ckpt_graph: InPlaceABN cannot write its input of shape {tuple(x.shape)} in place: "
             "another tensor shares its memory (autograd saved it for another op's backward, "
@@ -79,13 +81,6 @@ def _check_writable(x: torch.Tensor) -> None:
             "alive), and overwriting it would corrupt that op's gradient. Pass x.clone(), or "
             "use nn.BatchNorm with a separate activation here."
         )
-
-
-def _saved_tensor_hooks_active() -> bool:
-    # Under saved-tensor hooks (ckpt_graph regions, torch.utils.checkpoint) the hooks own the
-    # saved values and check their versions; their references are not autograd's.
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is not None and top(True) is not None
 
 
 class InPlaceABN(_NormBase):
@@ -122,8 +117,9 @@ class InPlaceABN(_NormBase):
           same graph (retain_graph=True) raises CkptGraphError.
         - Leaf tensors that require grad, expand()ed tensors and tensors that other ops saved
           for backward (or that a view shares) are rejected with CkptGraphError. Under
-          saved-tensor hooks (ckpt_graph regions, torch.utils.checkpoint) only the hooks can
-          see what they saved, so that last check is theirs.
+          saved-tensor hooks (ckpt_graph regions, torch.utils.checkpoint) the hooks hold what
+          they saved as Python objects, invisible to that check: there the hooks' own version
+          check raises in backward (ckpt_graph: "modified by an inplace operation").
         - A channel whose weight is exactly 0 cannot give a weight gradient (forward raises);
           a tiny |weight| loses precision in the weight gradient.
         - Double backward (create_graph=True) is not supported.
