@@ -335,6 +335,7 @@ def run_comparison(
     repeat: int = 3,
     seed: int = 0,
     count_ops: bool = True,
+    threads: int | None = None,
     measure: Callable[..., Any] | None = None,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> list[StrategyResult]:
@@ -352,6 +353,7 @@ def run_comparison(
         repeat: timed steps per strategy (the median is reported).
         seed: seed for weights, batch and every step.
         count_ops: also count the aten ops and FLOPs of one step (extra_ops / extra_flops).
+        threads: torch intra-op threads during the run (restored after); None keeps torch's.
         measure: ``measure(fn, device=device) -> report`` with ``report.peak_bytes``; default
             ``ckpt_graph.memory.measure`` (peak memory is left out when it is not importable).
         progress: called as ``progress(done, total, label)`` while running.
@@ -369,6 +371,45 @@ def run_comparison(
         raise ValueError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
     if repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {repeat}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {threads}")
+    saved_threads = torch.get_num_threads()
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        return _run(
+            model,
+            dict(
+                layers=layers,
+                width=width,
+                batch=batch,
+                seq_len=seq_len,
+                dtype=dtype,
+                device=device,
+                seed=seed,
+            ),
+            names,
+            repeat,
+            seed,
+            count_ops,
+            measure,
+            progress,
+        )
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _run(
+    model: str,
+    build: dict[str, Any],
+    names: list[str],
+    repeat: int,
+    seed: int,
+    count_ops: bool,
+    measure: Callable[..., Any] | None,
+    progress: Callable[[int, int, str], None] | None,
+) -> list[StrategyResult]:
+    device = build["device"]
     if measure is None:
         try:
             from ckpt_graph import memory
@@ -376,16 +417,7 @@ def run_comparison(
             measure = memory.measure
         except ImportError:
             measure = None
-    w = build_workload(
-        model,
-        layers=layers,
-        width=width,
-        batch=batch,
-        seq_len=seq_len,
-        dtype=dtype,
-        device=device,
-        seed=seed,
-    )
+    w = build_workload(model, **build)
     initial = {k: v.clone() for k, v in w.model.state_dict().items()}
     params = list(w.model.parameters())
     total = len(names) * (3 if count_ops else 2) + len(names) * repeat

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated list (default: all); none is always run as the reference",
     )
     cmp.add_argument("--seed", type=int, default=0, help="seed for weights and batch")
+    cmp.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+    )
     cmp.add_argument("--json", metavar="PATH", help="write all figures and machine info as JSON")
     cmp.add_argument("--plot", metavar="PATH.png", help="plot peak memory vs step time")
     cmp.add_argument("--no-count", action="store_true", help="skip counting recomputed ops")
@@ -108,6 +111,8 @@ def _check_args(args: argparse.Namespace) -> dict[str, object]:
         )
     if args.repeat < 1:
         raise UsageError(f"--repeat must be at least 1, got {args.repeat}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {args.threads}")
     d = DEFAULTS[args.model]
     sizes = {
         "layers": d.layers if args.layers is None else args.layers,
@@ -137,6 +142,7 @@ def _check_args(args: argparse.Namespace) -> dict[str, object]:
         "repeat": args.repeat,
         "seed": args.seed,
         "count_ops": not args.no_count,
+        "threads": args.threads or torch.get_num_threads(),
     }
 
 
@@ -281,7 +287,7 @@ def format_table(results: Sequence[StrategyResult], config: Mapping[str, Any]) -
     out = [
         f"ckpt-graph compare: {_describe(config)}",
         f"torch {info['torch']}, {info['cpu_count']} CPUs, {info['date']}; "
-        f"one training step each, time = median of {config['repeat']}",
+        f"{config['threads']} threads; one training step each, time = median of {config['repeat']}",
         "",
         cells(_COLUMNS),
         line("-" * w for w in widths),
