@@ -76,7 +76,6 @@ class Handle:
         "offload_device",
         "packs",
         "pending",
-        "realized",
         "reason",
         "ref",
         "shape",
@@ -103,7 +102,6 @@ class Handle:
         self.uses = 0
         self.packs = 0
         self.pending = 0
-        self.realized = 0
         self.cache: torch.Tensor | None = None
 
     @property
@@ -191,9 +189,7 @@ def _compute_op_info(op: OpOverload) -> OpInfo:
         r.alias_info is not None and r.alias_info.is_write for r in returns
     )
     view_outputs = tuple(
-        i
-        for i, r in enumerate(returns)
-        if r.alias_info is not None and not r.alias_info.is_write
+        i for i, r in enumerate(returns) if r.alias_info is not None and not r.alias_info.is_write
     )
     tags = op.tags
     return OpInfo(
@@ -225,11 +221,13 @@ class OpNode:
         module_path: qualified name of the innermost module running the op.
         flops: estimated FLOPs of one run (filled lazily; -1 until asked).
         stack: Python stack of the forward call (only with ``debug=True``).
+        checksums: per output, a checksum of the forward value (only with ``debug=True``).
         realized: how many times the op ran during backward passes.
     """
 
     __slots__ = (
         "args",
+        "checksums",
         "decided_by",
         "decision",
         "flops",
@@ -270,6 +268,7 @@ class OpNode:
         self.module_path = ""
         self.flops = -1
         self.stack: str | None = None
+        self.checksums: tuple[tuple[float, float, float] | None, ...] | None = None
         self.realized = 0
         self.pass_id = -1
 

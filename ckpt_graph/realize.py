@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._debug import check_replay
 from ._errors import CkptGraphError
 
 if TYPE_CHECKING:
@@ -53,19 +54,24 @@ _current_task = torch._C._current_graph_task_id
 class PassState:
     """Per-region state of the current backward pass."""
 
-    __slots__ = ("number", "recomputed_bytes_peak", "recomputed_ops", "task")
+    __slots__ = ("cached_bytes", "number", "peak_cached_bytes", "recomputed_ops", "task")
 
     def __init__(self) -> None:
         self.task = -2
         self.number = 0
         self.recomputed_ops = 0
-        self.recomputed_bytes_peak = 0
+        self.cached_bytes = 0
+        self.peak_cached_bytes = 0
 
 
 def exact_copy(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` with the same sizes, strides and storage offset, in new storage."""
     with torch.no_grad():
-        if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        if (
+            t.is_contiguous()
+            and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        ):
             return t.clone()
         storage = t.untyped_storage().clone()
         return torch.empty((0,), dtype=t.dtype, device=t.device).set_(
@@ -118,13 +124,19 @@ def unpack_value(region: Region, h: Handle) -> torch.Tensor:
         begin_pass(region, task)
     try:
         value = realize(region, h)
+        _release_use(state, h)
     finally:
         if one_shot:
             end_pass(region)
-    h.pending -= 1
-    if h.pending <= 0:
-        h.cache = None
     return value
+
+
+def _release_use(state: PassState, h: Handle) -> None:
+    """One pending user of ``h`` is served; free its cache after the last one."""
+    h.pending -= 1
+    if h.pending <= 0 and h.cache is not None:
+        h.cache = None
+        state.cached_bytes -= h.nbytes
 
 
 def begin_pass(region: Region, task: int) -> None:
@@ -135,6 +147,7 @@ def begin_pass(region: Region, task: int) -> None:
     state.task = task
     state.number += 1
     state.recomputed_ops = 0
+    state.peak_cached_bytes = 0
     for node in reversed(region.nodes):
         needed = False
         for o in node.outputs:
@@ -154,6 +167,7 @@ def end_pass(region: Region) -> None:
     """Free everything the pass left cached and forget its use counts."""
     state = region._pass
     state.task = -2
+    state.cached_bytes = 0
     for node in region.nodes:
         for o in node.outputs:
             if o is not None:
@@ -256,18 +270,22 @@ def run_node(region: Region, node: OpNode) -> None:
             "after the forward; keep this op's output (tag_with_policy(t, True)) or avoid the "
             "modification."
         ) from e
-    node.pass_id = region._pass.number
+    state = region._pass
+    node.pass_id = state.number
     node.realized += 1
-    region._pass.recomputed_ops += 1
+    state.recomputed_ops += 1
     outs = out if node.out_is_tuple else (out,)
+    if node.checksums is not None:
+        check_replay(node, outs)
     for o, v in zip(node.outputs, outs, strict=True):
         if o is not None and o.reason is None and o.pending > 0:
             o.cache = v
+            state.cached_bytes += o.nbytes
+    if state.cached_bytes > state.peak_cached_bytes:
+        state.peak_cached_bytes = state.cached_bytes
     for i in node.inputs:
         if i.reason is None:
-            i.pending -= 1
-            if i.pending <= 0:
-                i.cache = None
+            _release_use(state, i)
 
 
 def _call(node: OpNode, args: list[Any], kwargs: dict[str, Any]) -> Any:

@@ -55,7 +55,11 @@ class Recorder(TorchDispatchMode):
         self.region = region
 
     def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if kwargs is None:
             kwargs = {}

@@ -17,6 +17,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import _modules, graph
+from ._debug import checksums
 from ._errors import CkptGraphError
 from .graph import Handle, OpInfo, OpNode
 from .hooks import pack_hook, unpack_hook
@@ -98,9 +99,7 @@ class Region:
         self._ctx = PolicyContext(self)
         _tls.region = self
         _modules.install_hooks()
-        hooks = torch.autograd.graph.saved_tensors_hooks(
-            lambda t: pack_hook(self, t), unpack_hook
-        )
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: pack_hook(self, t), unpack_hook)
         recorder = Recorder(self)
         hooks.__enter__()
         recorder.__enter__()
@@ -224,7 +223,9 @@ class Region:
                 self._index_storage(k)
 
     # ----------------------------------------------------------------- recording
-    def _capture_rng(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Generator, torch.Tensor] | None:
+    def _capture_rng(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[torch.Generator, torch.Tensor] | None:
         """Generator state just before a random op runs. See Note [RNG replay]."""
         gen = kwargs.get("generator")
         if gen is None:
@@ -289,7 +290,8 @@ class Region:
             handles.append(h)
         node.outputs = tuple(handles)
         if self.debug:
-            node.stack = "".join(traceback.format_stack(limit=12)[:-3])
+            node.stack = "".join(traceback.format_stack(limit=14)[:-4])
+            node.checksums = checksums(outs)
         self.nodes.append(node)
         self._decide(node, out, args, kwargs, previous, outs)
 
@@ -393,7 +395,9 @@ class Region:
         """Override the decision for the value ``t`` holds. See ``tag_with_policy``."""
         decision = _to_decision(policy, tag_with_policy, "tag_with_policy")
         if decision is None:
-            raise TypeError("ckpt_graph: tag_with_policy needs a CheckpointPolicy or a bool, got None")
+            raise TypeError(
+                "ckpt_graph: tag_with_policy needs a CheckpointPolicy or a bool, got None"
+            )
         h = self.handle_of(t)
         if h.node_index < 0 or (h.reason is not None and h.reason.startswith("engine")):
             return  # region inputs and engine-kept values are always kept

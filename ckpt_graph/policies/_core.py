@@ -164,7 +164,7 @@ class PolicyContext:
             unknown).
     """
 
-    __slots__ = ("_args", "_info", "_kwargs", "_out", "_op", "op_index", "region")
+    __slots__ = ("_args", "_info", "_kwargs", "_op", "_out", "op_index", "region")
 
     def __init__(self, region: Region) -> None:
         self.region = region
