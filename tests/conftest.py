@@ -6,9 +6,9 @@ that test modules can import them; this file only holds fixtures.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
-import models
 import pytest
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -21,7 +21,10 @@ def _clean_state() -> Iterator[None]:
     A region that leaks its dispatch mode or saved-tensor hooks (e.g. after an exception inside
     the ``with`` block) would silently change every later test, so the leak fails this test.
     """
-    models.reset_counters()
+    # Only touch the zoo module if a test module imported it (keeps other suites independent).
+    models = sys.modules.get("models")
+    if models is not None:
+        models.reset_counters()
     default_dtype = torch.get_default_dtype()
     grad_enabled = torch.is_grad_enabled()
     yield
@@ -29,6 +32,7 @@ def _clean_state() -> Iterator[None]:
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     torch.set_default_dtype(default_dtype)
     torch.set_grad_enabled(grad_enabled)
-    models.reset_counters()
+    if models is not None:
+        models.reset_counters()
     assert not modes, f"dispatch modes left active after the test: {modes}"
     assert hooks is None, "saved-tensor hooks left installed after the test"

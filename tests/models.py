@@ -494,10 +494,10 @@ def make_model(
     model: Blocks
     if name == "mlp":
         model = MLP(dtype=dtype)
-        x = torch.randn(4, 8, dtype=dtype)
+        x = torch.randn(4, 8, dtype=dtype, requires_grad=True)
     elif name == "cnn":
         model = CNN(dtype=dtype)
-        x = torch.randn(2, 3, 6, 6, dtype=dtype)
+        x = torch.randn(2, 3, 6, 6, dtype=dtype, requires_grad=True)
     elif name == "transformer":
         model = Transformer(dtype=dtype)
         with torch.no_grad():

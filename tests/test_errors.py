@@ -1,0 +1,282 @@
+"""Errors: API misuse, conflicting policies, version-counter errors, failures during recompute.
+
+Each error is matched by its message: it must name the op / policy / tensor involved. Where eager
+autograd rejects a program (a saved tensor modified in place), the test checks that eager raises
+too, so the expectation is exactly "same as without checkpointing".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from models import CALLS, FRAGILE, const_policy, fragile, leaf, save_matmuls
+from torch.utils.checkpoint import CheckpointPolicy
+
+import ckpt_graph as cg
+
+POLICIES = ["recompute_all", "must_save_all", save_matmuls]
+POLICY_IDS = ["recompute_all", "must_save_all", "save_matmuls"]
+VERSION_ERROR = "modified by an inplace operation"
+OP_RE = r"aten(\.|::)sin"  # how an op may be spelled in a message
+
+
+# --------------------------------------------------------------------------- API misuse
+
+
+@pytest.mark.parametrize("name", ["recompute-all", "save_all", "", "RECOMPUTE_ALL"])
+def test_unknown_policy_string(name: str) -> None:
+    with pytest.raises(ValueError, match="recompute_all") as info, cg.save_recompute_policy(name):
+        pass
+    assert "must_save_all" in str(info.value)
+    assert repr(name) in str(info.value) or name in str(info.value)
+
+
+def test_unknown_policy_string_function_form() -> None:
+    with pytest.raises(ValueError, match="must_save_all"):
+        cg.checkpoint(torch.sin, leaf(3), policy="nope")
+
+
+def test_unknown_policy_string_nested_leaves_outer_region_working() -> None:
+    x = leaf(3)
+    with cg.save_recompute_policy("recompute_all"):
+        h = x.exp()
+        with pytest.raises(ValueError, match="recompute_all"):  # noqa: SIM117
+            with cg.save_recompute_policy("bogus"):
+                pass
+        y = h.sin()
+    y.sum().backward()
+    xe = leaf(3)
+    xe.exp().sin().sum().backward()
+    torch.testing.assert_close(x.grad, xe.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "answer", [3, "MUST_SAVE", 1.0, object()], ids=["int", "str", "float", "object"]
+)
+def test_policy_returning_bad_type(answer: Any) -> None:
+    policy = const_policy(answer, name="my_bad_policy")
+    x = leaf(3)
+    with pytest.raises(TypeError, match="my_bad_policy") as info:  # noqa: SIM117
+        with cg.save_recompute_policy(policy):
+            x.sin()
+    assert re.search(OP_RE, str(info.value)), str(info.value)
+
+
+def test_non_callable_policy() -> None:
+    with pytest.raises(TypeError):  # noqa: SIM117
+        with cg.save_recompute_policy(3):
+            pass
+
+
+# --------------------------------------------------------------------------- conflicting MUSTs
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner"),
+    [
+        (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE),
+        (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.MUST_SAVE),
+        (CheckpointPolicy.MUST_RECOMPUTE, True),
+        (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_CPU_OFFLOAD),
+    ],
+)
+def test_conflicting_must_answers(outer: Any, inner: Any) -> None:
+    p_outer = const_policy(outer, "outer_policy_a")
+    p_inner = const_policy(inner, "inner_policy_b")
+    x = leaf(3)
+    with pytest.raises((cg.CkptGraphError, ValueError)) as info:  # noqa: SIM117
+        with cg.save_recompute_policy(p_outer):
+            with cg.save_recompute_policy(p_inner):
+                x.sin()
+    msg = str(info.value)
+    assert "outer_policy_a" in msg and "inner_policy_b" in msg, msg
+    assert re.search(OP_RE, msg), msg
+
+
+def test_conflicting_must_answers_three_levels_with_abstainer() -> None:
+    x = leaf(3)
+    with pytest.raises((cg.CkptGraphError, ValueError)) as info:  # noqa: SIM117
+        with cg.save_recompute_policy(const_policy(True, "keeper")):
+            with cg.save_recompute_policy(const_policy(None, "abstainer")):
+                with cg.save_recompute_policy(
+                    const_policy(CheckpointPolicy.MUST_RECOMPUTE, "forcer")
+                ):
+                    x.exp()
+    msg = str(info.value)
+    assert "keeper" in msg and "forcer" in msg and "abstainer" not in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner"),
+    [
+        (CheckpointPolicy.MUST_SAVE, True),
+        ("must_save_all", CheckpointPolicy.MUST_SAVE),
+        (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE),
+        (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE),
+        ("recompute_all", "must_save_all"),
+    ],
+)
+def test_agreeing_or_weaker_answers_do_not_raise(outer: Any, inner: Any) -> None:
+    x, xe = leaf(3), leaf(3)
+    p_outer = outer if isinstance(outer, str) else const_policy(outer, "outer")
+    p_inner = inner if isinstance(inner, str) else const_policy(inner, "inner")
+    with cg.save_recompute_policy(p_outer), cg.save_recompute_policy(p_inner):
+        y = x.exp().sin()
+    y.sum().backward()
+    xe.exp().sin().sum().backward()
+    torch.testing.assert_close(x.grad, xe.grad, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- tags
+
+
+@pytest.mark.parametrize("value", [True, False, CheckpointPolicy.MUST_SAVE])
+def test_tag_outside_region_raises(value: Any) -> None:
+    t = leaf(3).exp()
+    with pytest.raises((RuntimeError, ValueError), match="region"):
+        cg.tag_with_policy(t, value)
+
+
+def test_tag_after_region_closed_raises() -> None:
+    with cg.save_recompute_policy():
+        t = leaf(3).exp()
+    with pytest.raises((RuntimeError, ValueError), match="region"):
+        cg.tag_with_policy(t, True)
+
+
+# --------------------------------------------------------------------------- inference mode
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+def test_inference_tensor_saved_in_region(policy: Any) -> None:
+    with torch.inference_mode():
+        x = torch.randn(3, dtype=torch.float64)
+    w = leaf(3)
+    with pytest.raises(RuntimeError, match=r"[Ii]nference"):  # eager rejects it too
+        (x * w).sum().backward()
+    with pytest.raises(cg.CkptGraphError, match=r"[Ii]nference"):
+        with cg.save_recompute_policy(policy):
+            y = (x * w).sin()
+        y.sum().backward()
+
+
+# --------------------------------------------------------------------------- version counters
+
+
+def _exp_then_add_in_region(scope: Any, x: torch.Tensor) -> torch.Tensor:
+    with scope():
+        y = x.exp()  # exp saves its result
+        z = y * 2
+        y.add_(1)
+    return z
+
+
+def _exp_then_add_after_region(scope: Any, x: torch.Tensor) -> torch.Tensor:
+    with scope():
+        y = x.exp()
+        z = y * 2
+    y.add_(1)
+    return z
+
+
+def _input_modified_after_region(scope: Any, x: torch.Tensor) -> torch.Tensor:
+    h = x * 1  # non-leaf region input
+    with scope():
+        z = (h * x).sin()  # mul saves h
+    h.add_(1)
+    return z
+
+
+def _input_modified_in_region(scope: Any, x: torch.Tensor) -> torch.Tensor:
+    h = x * 1
+    with scope():
+        z = (h * x).sin()
+        h.mul_(2)
+    return z
+
+
+def _view_modified_in_region(scope: Any, x: torch.Tensor) -> torch.Tensor:
+    with scope():
+        y = x.sigmoid()  # sigmoid saves its result
+        y[1:].zero_()
+    return y
+
+
+def _modified_in_next_region(scope: Any, x: torch.Tensor) -> torch.Tensor:
+    with scope():
+        y = x.tanh()  # tanh saves its result
+    with scope():
+        y.mul_(3)
+    return y
+
+
+VERSION_CASES: dict[str, Callable[..., torch.Tensor]] = {
+    "in_region": _exp_then_add_in_region,
+    "after_region": _exp_then_add_after_region,
+    "input_after_region": _input_modified_after_region,
+    "input_in_region": _input_modified_in_region,
+    "through_view_in_region": _view_modified_in_region,
+    "in_next_region": _modified_in_next_region,
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("case", list(VERSION_CASES))
+def test_saved_tensor_modified_in_place_raises(case: str, policy: Any) -> None:
+    fn = VERSION_CASES[case]
+    out = fn(contextlib.nullcontext, leaf(3, 4))
+    with pytest.raises(RuntimeError, match=VERSION_ERROR):
+        out.sum().backward()
+
+    out = fn(lambda: cg.save_recompute_policy(policy), leaf(3, 4))
+    with pytest.raises(RuntimeError, match=VERSION_ERROR):
+        out.sum().backward()
+
+
+# --------------------------------------------------------------------------- failure during recompute
+
+
+def test_op_failing_during_recompute_names_op_and_position() -> None:
+    positions: list[int] = []
+
+    def recompute_and_note(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if "fragile" in str(op):
+            positions.append(ctx.op_index)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    x = leaf(3)
+    with cg.save_recompute_policy(recompute_and_note):
+        h = x.sin().cos()
+        a = fragile(h)
+        y = a.sin()  # sin saves a: backward recomputes the fragile op, which now fails
+    assert CALLS["fragile"] == 1 and len(positions) == 1
+    with pytest.raises(cg.CkptGraphError) as info:
+        y.sum().backward()
+    msg = str(info.value)
+    assert "fragile" in msg and "ckpt_graph_test" in msg, msg
+    assert re.search(rf"\b{positions[0]}\b", msg), msg
+    cause = info.value.__cause__ or info.value.__context__
+    assert "fragile op called again" in msg or (
+        cause is not None and "fragile op called again" in str(cause)
+    )
+
+
+def test_op_failing_during_recompute_does_not_break_next_region() -> None:
+    x = leaf(3)
+    with cg.save_recompute_policy("recompute_all"):
+        y = fragile(x.exp()).sin()
+    with pytest.raises(cg.CkptGraphError):
+        y.sum().backward()
+    FRAGILE["max_calls"] = 10
+    x2, xe = leaf(3), leaf(3)
+    with cg.save_recompute_policy("recompute_all"):
+        y2 = fragile(x2.exp()).sin()
+    y2.sum().backward()
+    FRAGILE["max_calls"] = 100
+    fragile(xe.exp()).sin().sum().backward()
+    torch.testing.assert_close(x2.grad, xe.grad, rtol=0, atol=0)
