@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import warnings
 import weakref
@@ -39,11 +40,12 @@ __all__ = ["FlatGrads", "linear"]
 # writes a leaf's gradient into `.grad`. For a dense gradient `new` arriving at parameter `p`:
 #   1. `p.grad` is None, grad mode is off (not create_graph), `new` is stealable and `new` obeys
 #      the layout contract -> `p.grad = new.detach()`: ADOPTION, no copy, `.grad` shares
-#      `new`'s storage. Stealable: the engine holds the only reference to `new`'s TensorImpl (a
-#      Python tensor object that is itself referenced only by that TensorImpl is allowed; one
-#      more reference is allowed if AccumulateGrad has post hooks). Any other tensor object
-#      referring to the same TensorImpl (a list, `ctx`, a local still alive) blocks it; other
-#      *views* of the same storage do not, they are separate TensorImpls. Layout contract: if
+#      `new`'s storage. Stealable: `new`'s TensorImpl is referenced only by the engine, plus
+#      its Python tensor object if nothing else refers to that object, plus one more if the
+#      AccumulateGrad node has post hooks (`node.register_hook`; post-*accumulate-grad* hooks
+#      on the tensor do not count). Any other reference to the same tensor object (a list,
+#      `ctx`, a live local) blocks it; other *views* of the same storage do not, they are
+#      separate TensorImpls. Not sparse, not nested. Layout contract: if
 #      `p` is non-overlapping and dense, `new` has `p`'s strides in every dimension of size > 1
 #      and no zero stride in dimensions of size 1; otherwise `new` is row-major contiguous.
 #   2. `p.grad` is None but any condition of 1 fails -> `p.grad` = a copy of `new` with the
@@ -62,13 +64,20 @@ __all__ = ["FlatGrads", "linear"]
 #     It is handed out only when (a) the slice holds no gradient to keep (no gradient since
 #     `zero_()`, or `.grad` was set to None), (b) grad mode is off, (c) the engine will run
 #     `p`'s AccumulateGrad in this pass (not `autograd.grad`, not excluded by `inputs=`), and
-#     (d) it was not handed out already in this pass (a parameter used twice). Otherwise the
-#     caller computes out of place and path 3 (or 2) applies.
+#     (d) `p` was never asked for twice in one pass. Otherwise the caller computes out of
+#     place and path 3 (or 2) applies. Why (d): when `p` is used twice, the engine sums the two
+#     gradients before AccumulateGrad, out of place (it does not add into a view), so the sum
+#     leaves the slice and must be copied back; after the first time, `p` is not handed out.
+#   - Cheapest: `.grad = None` (`optimizer.zero_grad()`) before backward, and every gradient
+#     written through `grad_destination`: nothing zeroed, nothing copied, and each `.grad`
+#     ends at its fixed slice address; a parameter that gets no gradient keeps `.grad` None
+#     (the optimizer skips it, as it would without the buffer).
 #   - Whatever path ran, a post-accumulate-grad hook checks that `p.grad` is the buffer view.
-#     If not (path 2: something held a reference to the handed-out view, or `.grad` was None
-#     because of `optimizer.zero_grad(set_to_none=True)`; path 4), it copies the gradient in
-#     and re-attaches the view, with a warning: correct, at the cost of one extra read and
-#     write per element. Path 4 results (they carry history) are left alone until `zero_()`.
+#     If not (path 2: a reference kept to the handed-out view; `.grad` was None, e.g. after
+#     `optimizer.zero_grad(set_to_none=True)`; the sum of (d)), it copies the gradient into
+#     the slice and re-attaches the view, warning once per kind except for (d): correct, at
+#     the cost of one extra read and write per element (two after a path-2 copy). Path 4
+#     results with history are left alone until `zero_()`.
 
 
 class _State(enum.Enum):
@@ -77,44 +86,25 @@ class _State(enum.Enum):
     HANDED = 2  # slice handed out by grad_destination in the current pass
 
 
+@dataclasses.dataclass(eq=False, slots=True)
 class _Slot:
     """Where one parameter's gradient lives in its buffer."""
 
-    __slots__ = (
-        "acc_node",
-        "hook",
-        "key",
-        "layout",
-        "name",
-        "offset",
-        "param",
-        "ptr",
-        "shape",
-        "shared",
-        "state",
-        "stride",
-    )
+    param: torch.Tensor
+    name: str
+    key: tuple[torch.device, torch.dtype]
+    offset: int  # in elements
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    ptr: int = 0  # address of the slice's first element
+    state: _State = _State.EMPTY
+    shared: bool = False  # seen twice in one backward pass: never handed out again
+    acc_node: Any = None  # p's AccumulateGrad node
+    hook: Any = None
 
-    def __init__(
-        self,
-        param: torch.Tensor,
-        name: str,
-        key: tuple[torch.device, torch.dtype],
-        offset: int,
-        stride: tuple[int, ...],
-    ) -> None:
-        self.param = param
-        self.name = name
-        self.key = key
-        self.offset = offset
-        self.stride = stride
-        self.shape = tuple(param.shape)
-        self.layout = (key[0], key[1], self.shape, stride)
-        self.ptr = 0
-        self.state = _State.EMPTY
-        self.shared = False  # used more than once in one backward pass: never handed out
-        self.acc_node: Any = None
-        self.hook: Any = None
+    @property
+    def layout(self) -> tuple[torch.device, torch.dtype, tuple[int, ...], tuple[int, ...]]:
+        return (self.key[0], self.key[1], self.shape, self.stride)
 
 
 _ALIGN_BYTES = 64
@@ -135,12 +125,7 @@ def _slot_stride(p: torch.Tensor) -> tuple[int, ...]:
     """Strides that obey the layout contract for ``p`` (see Note [Gradient adoption])."""
     size, stride = tuple(p.shape), tuple(p.stride())
     if not _is_dense(size, stride):
-        contiguous = []
-        acc = 1
-        for sz in reversed(size):
-            contiguous.append(acc)
-            acc *= max(sz, 1)
-        stride = tuple(reversed(contiguous))
+        stride = tuple(torch.empty(size, device="meta").stride())
     return tuple(1 if sz == 1 and st == 0 else st for sz, st in zip(size, stride, strict=True))
 
 
@@ -232,7 +217,7 @@ class FlatGrads:
             align = max(1, _ALIGN_BYTES // p.element_size())
             offset = -(-sizes.get(key, 0) // align) * align
             sizes[key] = offset + p.numel()
-            slot = _Slot(p, name, key, offset, _slot_stride(p))
+            slot = _Slot(p, name, key, offset, tuple(p.shape), _slot_stride(p))
             self._slots.append(slot)
             self._by_param[id(p)] = slot
         self._buffers = {
@@ -343,7 +328,7 @@ class FlatGrads:
 
         Example:
             >>> dst = flat.grad_destination(weight)  # doctest: +SKIP
-            >>> grad_w = torch.mm(g.t(), x, out=dst) if dst is not None else g.t() @ x
+            >>> grad_w = torch.mm(g.t(), x, out=dst) if dst is not None else g.t() @ x  # doctest: +SKIP
         """
         slot = self._slot(param)
         if slot.state is _State.HANDED:
@@ -414,7 +399,8 @@ class FlatGrads:
                 f"ckpt_graph: FlatGrads: the gradient of {slot.name} was written into its "
                 "buffer slice but autograd copied it instead of adopting it (something kept a "
                 "reference to the returned tensor, or its layout did not match); it was "
-                "copied into the buffer: two extra reads and writes per element. See Note [Gradient adoption] in ckpt_graph/grads.py",
+                "copied into the buffer: two extra reads and two extra writes per element. See "
+                "Note [Gradient adoption] in ckpt_graph/grads.py",
             )
         elif state is not _State.HANDED and not torch.is_grad_enabled():  # not create_graph
             self._warn_once(
