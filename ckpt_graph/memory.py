@@ -305,22 +305,28 @@ def _replay(roots: list[Any]) -> MemoryReport:
     ranges: list[tuple[int, int, Phase]] = []  # (start_ns, end_ns, phase)
     window: tuple[int, int] | None = None
     stack: list[tuple[Any, str]] = [(e, "") for e in reversed(roots)]
+    allocation = torch._C._profiler._ExtraFields_Allocation
+    cpu = torch.device("cpu")
+    prefixes = tuple(prefix for prefix, _ in _PHASE_PREFIXES)
     while stack:
         event, op = stack.pop()
         fields = event.extra_fields
-        if isinstance(fields, torch._C._profiler._ExtraFields_Allocation):
-            if fields.device.type == "cpu" and fields.alloc_size != 0:
+        if type(fields) is allocation:
+            if fields.alloc_size != 0 and fields.device == cpu:
                 allocs.append((event.start_time_ns, fields.ptr, fields.alloc_size, op))
             continue
         name: str = event.name
-        if name == _MARKER and window is None:
+        if name.startswith(prefixes):
+            kind = next(p for prefix, p in _PHASE_PREFIXES if name.startswith(prefix))
+            ranges.append((event.start_time_ns, event.end_time_ns, kind))
+        elif name == _MARKER and window is None:
             window = (event.start_time_ns, event.end_time_ns)
-        for prefix, range_phase in _PHASE_PREFIXES:
-            if name.startswith(prefix):
-                ranges.append((event.start_time_ns, event.end_time_ns, range_phase))
-        child_op = op or (name if name.startswith("aten::") else "")
+        if not op and name.startswith("aten::"):
+            op = name
         # Pre-order, so that events with equal times keep their order through the stable sort.
-        stack.extend((child, child_op) for child in reversed(event.children))
+        children = event.children
+        if children:
+            stack.extend((child, op) for child in reversed(children))
     if window is None:
         raise CkptGraphError("ckpt_graph: measure() found no events from the profiler")
     start_ns, end_ns = window
