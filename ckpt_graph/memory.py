@@ -68,7 +68,8 @@ _BUSY = (
 #    autograd engine opens `autograd::engine::evaluate_function: ...` for each backward node,
 #    and the realize step opens `ckpt_graph::recompute::<op>` around every recomputed op while
 #    the profiler is on. Ranges are swept in start order with a heap (O(n log n)), so an event
-#    gets the innermost range covering it; nothing covering it means "forward".
+#    gets the innermost range covering it; nothing covering it means "forward" (so frees made
+#    between engine functions or after `backward()` returns are "forward" too).
 # 5. `op` is the outermost `aten::` op enclosing the event on its own thread (the op the user,
 #    an autograd formula or the recompute called); the innermost one is nearly always a factory
 #    such as `aten::empty_strided`, which says nothing.
@@ -76,7 +77,8 @@ _BUSY = (
 # Python objects, buffers that libraries such as oneDNN allocate for themselves). Allocations
 # made by other threads during the call are counted (the allocator is process-wide) and get
 # their phase by time only. The profiler is process-wide too, so measure() cannot run while
-# another profiler or measure() is active, in any thread: that raises CkptGraphError.
+# another profiler or measure() is active, in any thread: that raises CkptGraphError. Every op
+# is recorded, so the call runs several times slower (a step of 20k small ops: 0.1 s -> ~4 s).
 
 
 @dataclass(frozen=True)
