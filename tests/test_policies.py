@@ -762,3 +762,38 @@ def test_nested_save_selections_keep_the_union(outer: str, inner: str) -> None:
     # The inner policy only sees the ops of the blocks it is pushed around.
     in_blocks = {k for k in inner_alone if region.nodes[k[0]].module_path.startswith("blocks.")}
     assert both == outer_alone | in_blocks
+
+
+@needs_engine
+def test_one_module_policy_in_regions_of_two_threads() -> None:
+    policy = policies.save_module_outputs("blocks.*")
+    _, alone = _kept_under("save_module_outputs")
+    barrier = threading.Barrier(2)
+    results: list[Any] = [None, None]
+
+    class Paced(nn.Module):
+        """Waits for the other thread once, so that both regions are open at the same time."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            barrier.wait(timeout=30)
+            return x
+
+    def worker(i: int) -> None:
+        model, x = models.make_model("mlp")
+        model.blocks.insert(1, Paced())
+        with ckpt_graph.save_recompute_policy(policy) as region:
+            out = model(x)
+        out.sum().backward()
+        results[i] = region
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for region in results:
+        assert region is not None
+        # blocks.1 is the pacing module: it returns blocks.0's output, tagged already
+        paths = [region.nodes[i].module_path for i, _ in sorted(_kept(region))]
+        assert paths == ["blocks.0.2", "blocks.2.2", "blocks.3.2"]
+    assert len(alone) == 3

@@ -137,9 +137,10 @@ class _OpSet:
     Invariants:
         ``overloads`` holds the OpOverloads given; ``packets`` the OpOverloadPackets given; an op
         matches if it is in ``overloads`` or its ``overloadpacket`` is in ``packets``.
+        ``memo`` caches that answer per op: policies run once per recorded op.
     """
 
-    __slots__ = ("names", "overloads", "packets")
+    __slots__ = ("memo", "names", "overloads", "packets")
 
     def __init__(self, ops: Iterable[object], where: str) -> None:
         overloads: set[OpOverload] = set()
@@ -159,12 +160,16 @@ class _OpSet:
         self.overloads = frozenset(overloads)
         self.packets = frozenset(packets)
         self.names = tuple(names)
+        self.memo: dict[object, bool] = {}
 
     def __contains__(self, op: object) -> bool:
-        if op in self.overloads:
-            return True
-        packet = getattr(op, "overloadpacket", None)
-        return packet is not None and packet in self.packets
+        hit = self.memo.get(op)
+        if hit is None:
+            packet = getattr(op, "overloadpacket", None)
+            hit = self.memo[op] = op in self.overloads or (
+                packet is not None and packet in self.packets
+            )
+        return hit
 
 
 class save_ops(Policy):
