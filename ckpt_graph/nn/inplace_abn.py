@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -27,6 +27,8 @@ from ckpt_graph.nn._abn_function import (
 )
 
 __all__ = ["InPlaceABN", "convert_bn_act"]
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def _check_activation(activation: str, activation_param: float) -> None:
@@ -216,7 +218,7 @@ def _as_activation(module: nn.Module) -> tuple[str, float] | None:
     return None
 
 
-def convert_bn_act(model: nn.Module) -> nn.Module:
+def convert_bn_act(model: M) -> M:
     """Replace BatchNorm + LeakyReLU/ELU/Identity pairs inside ``nn.Sequential``s by InPlaceABN.
 
     The BatchNorm at index i becomes an :class:`InPlaceABN` with its parameters, buffers and
