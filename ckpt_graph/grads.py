@@ -45,9 +45,9 @@ __all__ = ["FlatGrads", "linear"]
 #      AccumulateGrad node has post hooks (`node.register_hook`; post-*accumulate-grad* hooks
 #      on the tensor do not count). Any other reference to the same tensor object (a list,
 #      `ctx`, a live local) blocks it; other *views* of the same storage do not, they are
-#      separate TensorImpls. Not sparse, not nested. Layout contract: if
-#      `p` is non-overlapping and dense, `new` has `p`'s strides in every dimension of size > 1
-#      and no zero stride in dimensions of size 1; otherwise `new` is row-major contiguous.
+#      separate TensorImpls. Not sparse, not nested. Layout contract: if `p` is
+#      non-overlapping and dense, `new` has `p`'s strides in every dimension of size > 1 and
+#      no zero stride in dimensions of size 1; otherwise `new` is row-major contiguous.
 #   2. `p.grad` is None but any condition of 1 fails -> `p.grad` = a copy of `new` with the
 #      contract's layout: one read and one write per element, and a fresh allocation.
 #   3. `p.grad` exists, grad mode off -> `p.grad += new` in place: ACCUMULATION, two reads and
@@ -66,8 +66,9 @@ __all__ = ["FlatGrads", "linear"]
 #     `p`'s AccumulateGrad in this pass (not `autograd.grad`, not excluded by `inputs=`), and
 #     (d) `p` was never asked for twice in one pass. Otherwise the caller computes out of
 #     place and path 3 (or 2) applies. Why (d): when `p` is used twice, the engine sums the two
-#     gradients before AccumulateGrad, out of place (it does not add into a view), so the sum
-#     leaves the slice and must be copied back; after the first time, `p` is not handed out.
+#     gradients before AccumulateGrad, and the sum does not land in the slice (torch 2.13
+#     does not add into a view there), so it must be copied back; after the first time, `p`
+#     is not handed out again (tested in test_parameter_used_twice_in_one_pass).
 #   - Cheapest: `.grad = None` (`optimizer.zero_grad()`) before backward, and every gradient
 #     written through `grad_destination`: nothing zeroed, nothing copied, and each `.grad`
 #     ends at its fixed slice address; a parameter that gets no gradient keeps `.grad` None
@@ -193,6 +194,10 @@ class FlatGrads:
         - ``backward(create_graph=True)`` leaves ``.grad`` (which carries history) outside the
           buffer until the next ``zero_()``.
         - Sparse gradients are stored densely in the buffer.
+        - Condition (c) of Note [Gradient adoption] uses the private
+          ``torch._C._will_engine_execute_node``; without it nothing is handed out (the
+          accumulation path, still correct).
+        - Untested with DDP/FSDP (which keep their own buckets) and compiled autograd.
     """
 
     def __init__(
@@ -339,8 +344,9 @@ class FlatGrads:
         grad = param.grad
         if grad is not None and not (slot.state is _State.EMPTY and self._is_attached(slot, grad)):
             return None
+        will_execute = getattr(torch._C, "_will_engine_execute_node", None)
         try:
-            will_run = torch._C._will_engine_execute_node(slot.acc_node)
+            will_run = will_execute is not None and will_execute(slot.acc_node)
         except RuntimeError:  # outside backward, or inside autograd.grad
             return None
         if not will_run:
