@@ -13,14 +13,12 @@ from ckpt_graph.policies._builtins import (
     Answer,
     Policy,
     PolicyLike,
-    any_save,
-    first_answer,
-    from_torch_sac,
     offload,
     recompute_ops,
     save_matmuls,
     save_ops,
 )
+from ckpt_graph.policies._compose import any_save, first_answer, from_torch_sac
 from ckpt_graph.policies._modules import ModuleMatch, save_module_outputs
 
 __all__ = [
