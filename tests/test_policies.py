@@ -92,6 +92,17 @@ def test_save_ops_matches_overload_or_packet(given: Any, op: Any, expected: Any)
     assert ask(policies.save_ops(given), op) is expected
 
 
+@pytest.mark.parametrize("factory", [policies.save_ops, policies.recompute_ops])
+def test_ops_property_lists_the_ops_as_given(factory: Any) -> None:
+    assert factory(aten.mm, aten.addmm.default).ops == (aten.mm, aten.addmm.default)
+
+
+def test_save_matmuls_ops_exist_in_this_torch() -> None:
+    ops = policies.save_matmuls().ops
+    assert {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution} <= set(ops)
+    assert all(isinstance(op, torch._ops.OpOverloadPacket) for op in ops)
+
+
 def test_save_ops_rest_none_abstains() -> None:
     policy = policies.save_ops(aten.mm, rest=None)
     assert ask(policy, aten.mm.default) is MUST_SAVE

@@ -137,12 +137,12 @@ class _OpSet:
         ``memo`` caches that answer per op: policies run once per recorded op.
     """
 
-    __slots__ = ("memo", "names", "overloads", "packets")
+    __slots__ = ("given", "memo", "names", "overloads", "packets")
 
     def __init__(self, ops: Iterable[object], where: str) -> None:
         overloads: set[OpOverload] = set()
         packets: set[OpOverloadPacket] = set()
-        names: list[str] = []
+        given: list[OpOverload | OpOverloadPacket] = []
         for op in ops:
             if isinstance(op, OpOverload):
                 overloads.add(op)
@@ -153,10 +153,11 @@ class _OpSet:
                     f"{where}: expected aten ops such as torch.ops.aten.mm or "
                     f"torch.ops.aten.mm.default, got {op!r} of type {type(op).__name__}"
                 )
-            names.append(str(op))
+            given.append(op)
         self.overloads = frozenset(overloads)
         self.packets = frozenset(packets)
-        self.names = tuple(names)
+        self.given = tuple(given)
+        self.names = tuple(str(op) for op in given)
         self.memo: dict[object, bool] = {}
 
     def __contains__(self, op: object) -> bool:
@@ -204,6 +205,11 @@ class save_ops(Policy):
     def __call__(self, ctx: Any, out: Any, op: OpOverload, *args: Any, **kwargs: Any) -> Answer:
         return _MUST_SAVE if op in self._ops else self._rest
 
+    @property
+    def ops(self) -> tuple[OpOverload | OpOverloadPacket, ...]:
+        """The ops this policy matches, as given (overloads and packets)."""
+        return self._ops.given
+
     def _repr_args(self) -> str:
         parts = list(self._ops.names)
         if self._rest is not _PREFER_RECOMPUTE:
@@ -240,6 +246,11 @@ class recompute_ops(Policy):
 
     def __call__(self, ctx: Any, out: Any, op: OpOverload, *args: Any, **kwargs: Any) -> Answer:
         return self._answer if op in self._ops else None
+
+    @property
+    def ops(self) -> tuple[OpOverload | OpOverloadPacket, ...]:
+        """The ops this policy matches, as given (overloads and packets)."""
+        return self._ops.given
 
     def _repr_args(self) -> str:
         return ", ".join([*self._ops.names, *(["must=True"] if self._must else [])])
