@@ -255,6 +255,17 @@ def test_any_save_keeps_the_union_of_selections() -> None:
     assert ask(policy, aten.gelu.default) is PREFER_RECOMPUTE
 
 
+def test_any_save_docstring_example() -> None:
+    big = policies.offload(lambda ctx, *a, **k: ctx.out_bytes > 4096)
+    policy = policies.any_save(big, policies.save_ops(aten.mm))
+    for op, out_bytes, expected in [
+        (aten.mm.default, 8192, MUST_SAVE),
+        (aten.relu.default, 8192, PREFER_CPU_OFFLOAD),
+        (aten.relu.default, 64, PREFER_RECOMPUTE),
+    ]:
+        assert policy(fake_ctx(out_bytes=out_bytes), None, op) is expected
+
+
 @pytest.mark.parametrize("combinator", [policies.first_answer, policies.any_save])
 def test_combinators_reject_bad_policies(combinator: Any) -> None:
     with pytest.raises(ValueError, match="needs at least one policy"):

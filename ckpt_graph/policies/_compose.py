@@ -75,8 +75,10 @@ class any_save(Policy):
 
     Example:
         >>> aten = torch.ops.aten
-        >>> p = any_save(save_ops(aten.mm), offload(lambda ctx, *a, **k: ctx.out_bytes > 4096))
-        >>> # mm kept; big outputs offloaded; everything else recomputed (save_ops' rest)
+        >>> big = offload(lambda ctx, *a, **k: ctx.out_bytes > 4096)
+        >>> p = any_save(big, save_ops(aten.mm))
+        >>> # mm kept on the device (MUST_SAVE); other big outputs offloaded (big answers
+        >>> # first); everything else recomputed (save_ops' rest)
     """
 
     def __init__(self, *policies: PolicyLike) -> None:
