@@ -33,9 +33,9 @@ _CHUNKS = 8
 # activation's derivative). In-place activated BatchNorm keeps one, the output y, and rebuilds
 # everything else from it in backward (Rota Bulo et al., "In-Place Activated BatchNorm").
 # 1. Forward, over the input buffer: x_hat = (x - mean) * invstd, z = gamma * x_hat + beta,
-#    y = act(z), written as x.mul_(gamma * invstd).add_(beta - mean * gamma * invstd) followed
+#    y = act(z), written as addcmul(beta - mean * gamma * invstd, x, gamma * invstd, out=x) followed
 #    by the activation in place. `mark_dirty` tells autograd the input is now y. Saved: y,
-#    gamma, beta and invstd (per channel). mean is not needed: it cancels out below.
+#    gamma, beta and invstd (per channel). mean is not needed: x_hat comes back from y.
 # 2. The activation must be invertible, with a derivative expressible in its output:
 #    - leaky_relu(slope > 0): z = y if y >= 0 else y / slope (computed as leaky_relu(y, 1/slope));
 #      act'(z) = 1 if y >= 0 else slope.
@@ -52,21 +52,33 @@ _CHUNKS = 8
 #    but its dgamma cannot be computed, so forward raises when gamma needs a gradient.
 #    Small |gamma| amplifies rounding in x_hat; in float64 the result matches BatchNorm to ~1e-12.
 # 4. Buffer reuse: no full-size tensor is allocated in backward when autograd hands over the only
-#    reference to the incoming gradient dy.
+#    reference to the incoming gradient dy and dy has y's strides.
 #    - dz is written over dy by aten's activation backward with out=dy (an elementwise kernel
 #      whose output exactly aliases an input, which TensorIterator allows), then dx over dz
-#      (addcmul_/sub_/mul_ with per-channel factors). dy is first given y's strides (a copy),
-#      so that elementwise kernels run in one dense pass.
+#      (addcmul with out=dz and per-channel factors), and dx is returned. If dy has other strides
+#      (sum()'s expanded gradient) or is not ours (rule 5), dz goes to a new buffer with y's
+#      strides: the "make dy contiguous first" copy, fused with the activation backward.
 #    - y is inverted in place: z, then x_hat. It is our saved output, so this bumps its version:
 #      a second backward through the same graph (retain_graph=True) raises CkptGraphError.
 #      After backward the tensor the user got as output holds x_hat, not y: read it before.
+#      Eval mode without a weight gradient needs no x_hat and leaves y intact.
 #    - Per-channel sums use no full-size temporary: sum(dz * x_hat) and the ELU inverse are
 #      computed in chunks along the largest non-channel dim (~1/_CHUNKS of the tensor at a time).
 # 5. Never assume two buffers do not alias: dy is reused only if `_owned` proves nobody else can
-#    see it: one C++ reference (no other tensor object, no autograd buffer of another node), one
-#    tensor on its storage (no view, no saved copy, not y itself) and no extra Python reference
-#    (a hook that stored it), counted against the baseline of a probe Function that goes through
+#    see it: one C++ reference (no other tensor object, no autograd buffer of another node still
+#    pending, as when AddBackward hands the same gradient to both branches), one tensor on its
+#    storage (no view, no saved copy, not y itself) and no extra Python reference (a hook that
+#    stored it), counted against the baseline of a probe Function measured at import through
 #    the same call path. Otherwise dz goes to a new buffer and dy is only read.
+# 6. Forward refuses inputs it must not overwrite (InPlaceABN.forward, `_check_writable`): a leaf
+#    that requires grad, a tensor with internal overlap (expand), and, with grad enabled, a tensor
+#    whose storage other tensors share: a SavedVariable of another op (relu's output, sin's input),
+#    a detach() or a view still alive. A view of a temporary is accepted (its base is referenced
+#    only by the view): autograd rebases the view's history. Under saved-tensor hooks
+#    (ckpt_graph regions, torch.utils.checkpoint) the last check is skipped: the hooks own what
+#    they saved (as Python objects, invisible to the counts), a region holds references to the
+#    values it keeps (which the counts would take for autograd's), and the region's own version
+#    check raises in backward if a value it needs was overwritten.
 
 
 def _channel_shape(x: torch.Tensor) -> list[int]:
@@ -218,7 +230,7 @@ class _InPlaceABN(torch.autograd.Function):
         shift = -mean * scale
         if bias is not None:
             shift = shift + bias
-        x.mul_(scale.view(shape)).add_(shift.view(shape))
+        torch.addcmul(shift.view(shape), x, scale.view(shape), out=x)  # one pass over x
         if activation == "leaky_relu":
             torch.nn.functional.leaky_relu_(x, param)
         elif activation == "elu":
@@ -263,11 +275,10 @@ class _InPlaceABN(torch.autograd.Function):
         if need_xhat:
             ctx.consumed = True
             _invert_activation_(y, activation, param)
-            if bias is not None:
-                y.sub_(bias.view(shape))
-            if weight is not None:
+            if weight is not None and bias is not None:  # x_hat = (z - beta) / gamma
                 inv_weight = torch.where(weight != 0, weight.reciprocal(), 0.0)
-                y.mul_(inv_weight.view(shape))
+                offset = -bias * inv_weight
+                torch.addcmul(offset.view(shape), y, inv_weight.view(shape), out=y)
         xhat = y
         sum_dz = dz.sum(dim=dims) if (need_b or (ctx.training and need_x)) else None
         sum_dz_xhat = _channel_dot(dz, xhat) if need_xhat else None
@@ -275,12 +286,15 @@ class _InPlaceABN(torch.autograd.Function):
         grad_x = None
         if need_x:
             factor = invstd if weight is None else invstd * weight
-            if ctx.training:
+            if ctx.training:  # dx = factor * (dz - sum_dz / M - x_hat * sum_dz_xhat / M)
                 assert sum_dz is not None and sum_dz_xhat is not None
                 count = y.numel() // y.shape[1]
-                dz.addcmul_(xhat, (sum_dz_xhat / count).view(shape), value=-1.0)
-                dz.sub_((sum_dz / count).view(shape))
-            grad_x = dz.mul_(factor.view(shape))
+                offset = -factor * sum_dz / count
+                torch.addcmul(offset.view(shape), dz, factor.view(shape), out=dz)
+                dz.addcmul_(xhat, (-factor * sum_dz_xhat / count).view(shape))
+            else:
+                dz.mul_(factor.view(shape))
+            grad_x = dz
         grad_w = sum_dz_xhat if need_w else None
         grad_b = sum_dz if need_b else None
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None

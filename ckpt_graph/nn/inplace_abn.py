@@ -75,7 +75,7 @@ def _check_writable(x: torch.Tensor) -> None:
     shared = _tensor_refs(x) > 1 or _storage_refs(x) > allowed
     if base is not None:
         shared = shared or _tensor_refs(base) > 2
-    if shared:
+    if shared and not _saved_tensor_hooks_active():
         raise CkptGraphError(
             f"ckpt_graph: InPlaceABN cannot write its input of shape {tuple(x.shape)} in place: "
             "another tensor shares its memory (autograd saved it for another op's backward, "
@@ -83,6 +83,15 @@ def _check_writable(x: torch.Tensor) -> None:
             "alive), and overwriting it would corrupt that op's gradient. Pass x.clone(), or "
             "use nn.BatchNorm with a separate activation here."
         )
+
+
+def _saved_tensor_hooks_active() -> bool:
+    # Under saved-tensor hooks (ckpt_graph regions, torch.utils.checkpoint) the hooks own what
+    # they saved and check its version themselves; a region also holds references to values it
+    # keeps, which the counts above would take for autograd's.
+    # See Note [In-place activated BatchNorm], rule 6.
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(True) is not None
 
 
 class InPlaceABN(_NormBase):
@@ -123,7 +132,13 @@ class InPlaceABN(_NormBase):
           they saved as Python objects, invisible to that check: there the hooks' own version
           check raises in backward (ckpt_graph: "modified by an inplace operation").
         - A channel whose weight is exactly 0 cannot give a weight gradient (forward raises);
-          a tiny |weight| loses precision in the weight gradient.
+          a tiny |weight| loses precision in the weight gradient. ELU outputs within rounding
+          of -alpha (pre-activation below about -15 in float32) invert imprecisely, and
+          exactly -alpha raises CkptGraphError in backward.
+        - Batch statistics and the inversion run in the input's dtype: half and bfloat16
+          inputs work but are less accurate than BatchNorm's float accumulation (untested).
+        - torch.utils.checkpoint replays the module's forward and so updates running stats
+          twice, as it does for nn.BatchNorm2d; ckpt_graph regions update them once.
         - Double backward (create_graph=True) is not supported.
     """
 
