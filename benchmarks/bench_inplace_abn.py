@@ -8,6 +8,8 @@ The network is `--blocks` x (Conv2d 3x3 -> norm + activation) followed by global
 linear layer. Memory comes from `ckpt_graph.memory.measure` (CPU allocator events: exact storage
 bytes, see Note [Measuring CPU memory]). One "unit" is the size of one block's activation
 (N x C x H x W floats); "kept/block" is what stays alive for backward after the forward, per block.
+Times are medians of `--repeats` runs outside the profiler: process CPU time (all threads; the
+cores are often shared) and wall time.
 
 Variants of the norm + activation:
     bn+lrelu          nn.BatchNorm2d + nn.LeakyReLU(0.01)
@@ -77,8 +79,9 @@ class Row:
     mode: str
     kept_bytes: int
     peak_bytes: int
-    forward_ms: float
-    step_ms: float
+    forward_cpu_ms: float
+    step_cpu_ms: float
+    step_wall_ms: float
 
 
 def run(variant: str, net: nn.Sequential, x: torch.Tensor, mode: str, repeats: int) -> Row:
@@ -98,13 +101,15 @@ def run(variant: str, net: nn.Sequential, x: torch.Tensor, mode: str, repeats: i
     report = measure(step)
     times_f: list[float] = []
     times_s: list[float] = []
+    walls: list[float] = []
     for _ in range(repeats):
         clear()
-        start = time.perf_counter()
+        wall, start = time.perf_counter(), time.process_time()
         loss = forward(net, x, mode)
-        mid = time.perf_counter()
+        mid = time.process_time()
         loss.backward()
-        end = time.perf_counter()
+        end = time.process_time()
+        walls.append((time.perf_counter() - wall) * 1e3)
         times_f.append((mid - start) * 1e3)
         times_s.append((end - start) * 1e3)
     return Row(
@@ -114,19 +119,22 @@ def run(variant: str, net: nn.Sequential, x: torch.Tensor, mode: str, repeats: i
         report.peak_bytes,
         statistics.median(times_f),
         statistics.median(times_s),
+        statistics.median(walls),
     )
 
 
 def table(rows: list[Row], unit: int, blocks: int) -> str:
     head = (
         "| variant | mode | kept after forward (MiB) | kept/block (units) | "
-        "peak fwd+bwd (MiB) | peak (units) | forward (ms) | fwd+bwd (ms) |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|\n"
+        "peak fwd+bwd (MiB) | peak (units) | forward CPU (ms) | fwd+bwd CPU (ms) | "
+        "fwd+bwd wall (ms) |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = [
         f"| {r.variant} | {r.mode} | {r.kept_bytes / _MIB:.1f} | "
         f"{r.kept_bytes / unit / blocks:.2f} | {r.peak_bytes / _MIB:.1f} | "
-        f"{r.peak_bytes / unit:.2f} | {r.forward_ms:.0f} | {r.step_ms:.0f} |"
+        f"{r.peak_bytes / unit:.2f} | {r.forward_cpu_ms:.0f} | {r.step_cpu_ms:.0f} | "
+        f"{r.step_wall_ms:.0f} |"
         for r in rows
     ]
     return head + "\n".join(lines) + "\n"
