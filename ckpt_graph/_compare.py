@@ -46,29 +46,30 @@ STRATEGIES: dict[str, str] = {
 }
 DEFAULT_STRATEGIES: tuple[str, ...] = tuple(STRATEGIES)
 
-# Ops kept by the torch-sac strategy: matmuls, convolutions and fused attention, the same
-# families as ckpt_graph.policies.save_matmuls so that torch-sac and cg-matmuls keep the same
-# values and differ only in how they recompute the rest.
-_MATMUL_OP_NAMES = (
+# Ops kept by the torch-sac strategy: the families of ckpt_graph.policies.save_matmuls
+# (matmuls, convolutions, fused attention) so that torch-sac and cg-matmuls keep the same values
+# and differ only in how they recompute the rest; a fallback list if policies is missing.
+_FALLBACK_MATMULS: tuple[str, ...] = (
     "mm",
     "addmm",
     "bmm",
     "baddbmm",
-    "addbmm",
-    "_int_mm",
-    "_scaled_mm",
     "convolution",
     "_convolution",
-    "mkldnn_convolution",
-    "cudnn_convolution",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "_flash_attention_forward",
-    "_efficient_attention_forward",
 )
-_MATMUL_OPS = frozenset(getattr(aten, n) for n in _MATMUL_OP_NAMES if hasattr(aten, n))
+
+
+@functools.cache
+def _matmul_ops() -> frozenset[object]:
+    try:
+        from ckpt_graph.policies import save_matmuls
+
+        return frozenset(save_matmuls().ops)
+    except (ImportError, AttributeError):
+        return frozenset(getattr(aten, n) for n in _FALLBACK_MATMULS if hasattr(aten, n))
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ def _packet(op: object) -> object:
 def _sac_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
     return (
         CheckpointPolicy.MUST_SAVE
-        if _packet(op) in _MATMUL_OPS
+        if _packet(op) in _matmul_ops()
         else CheckpointPolicy.PREFER_RECOMPUTE
     )
 

@@ -351,9 +351,13 @@ def plot(path: str, results: Sequence[StrategyResult], config: Mapping[str, Any]
     for r in results:
         if r.status != "ok" or r.peak_bytes is None or r.step_time_s is None:
             continue
-        x, y = r.step_time_s * 1e3, r.peak_bytes / 2**20
-        ax.scatter([x], [y], s=40)
-        ax.annotate(r.strategy, (x, y), textcoords="offset points", xytext=(5, 5))
+        marker = "*" if r.strategy == "none" else "s" if r.strategy.startswith("torch") else "o"
+        ax.scatter(
+            [r.step_time_s * 1e3], [r.peak_bytes / 2**20], s=70, marker=marker, label=r.strategy
+        )
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, loc="best")
     ax.set_xlabel("step time (ms, median)")
     ax.set_ylabel("peak memory (MiB)")
     ax.set_title(_describe(config), fontsize=9)

@@ -367,6 +367,8 @@ def _build_hf(
             embd_pdrop=dropout,
             attn_pdrop=dropout,
             use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
         )
         cfg._attn_implementation = "sdpa"
         model = transformers.GPT2LMHeadModel(cfg)

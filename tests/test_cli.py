@@ -252,3 +252,25 @@ def test_plot_writes_png(tmp_path: Path) -> None:
         == 0
     )
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(not HAVE_HF, reason="needs transformers")
+@pytest.mark.parametrize("model", ["hf-gpt2", "hf-llama"])
+def test_hf_models_exact_gradients(model: str) -> None:
+    results = run_comparison(
+        model,
+        layers=2,
+        width=32,
+        batch=2,
+        seq_len=8,
+        repeat=1,
+        count_ops=False,
+        threads=1,
+        strategies=["none", "torch-ckpt", "torch-sqrt", "cg-block", "cg-sqrt"],
+    )
+    status = {r.strategy: r.status for r in results}
+    assert status["torch-sqrt"] == "skipped"  # HF layers are not tensor -> tensor
+    for r in results:
+        if r.strategy != "torch-sqrt":
+            assert r.status == "ok", f"{r.strategy}: {r.note}"
+            assert r.max_grad_diff == 0.0, r.strategy
