@@ -152,6 +152,7 @@ def test_tag_after_region_closed_raises() -> None:
 # --------------------------------------------------------------------------- inference mode
 
 
+@pytest.mark.xfail(reason="core bug #4, see notes", strict=True)
 @pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
 def test_inference_tensor_saved_in_region(policy: Any) -> None:
     with torch.inference_mode():
@@ -176,12 +177,24 @@ def _exp_then_add_in_region(scope: Any, x: torch.Tensor) -> torch.Tensor:
     return z
 
 
-def _exp_then_add_after_region(scope: Any, x: torch.Tensor) -> torch.Tensor:
+def _exp_then_add_after_region(scope: Any, x: torch.Tensor) -> Any:
     with scope():
         y = x.exp()
         z = y * 2
     y.add_(1)
-    return z
+    # y stays referenced until backward: the engine can only check the version of a tensor it can
+    # still see (DESIGN.md §3, version checks); when y is gone, recompute gives eager's gradient
+    # of the unmodified graph instead of an error (documented limit).
+    return z, y
+
+
+def _inplace_twice_in_region(scope: Any, x: torch.Tensor) -> torch.Tensor:
+    with scope():
+        a = x.sin()
+        a.sin_()
+        b = a.sin()  # saves a at version 1
+        a.sin_()  # version 2
+    return a + b
 
 
 def _input_modified_after_region(scope: Any, x: torch.Tensor) -> torch.Tensor:
@@ -215,6 +228,14 @@ def _modified_in_next_region(scope: Any, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _view_modified_after_region(scope: Any, x: torch.Tensor) -> Any:
+    with scope():
+        y = x.exp()
+        z = y.sum(0) * y[0]  # mul saves the view y[0]
+    y[0].add_(1)
+    return z, y
+
+
 VERSION_CASES: dict[str, Callable[..., torch.Tensor]] = {
     "in_region": _exp_then_add_in_region,
     "after_region": _exp_then_add_after_region,
@@ -222,20 +243,24 @@ VERSION_CASES: dict[str, Callable[..., torch.Tensor]] = {
     "input_in_region": _input_modified_in_region,
     "through_view_in_region": _view_modified_in_region,
     "in_next_region": _modified_in_next_region,
+    "twice_in_region": _inplace_twice_in_region,
+    "view_after_region": _view_modified_after_region,
 }
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
 @pytest.mark.parametrize("case", list(VERSION_CASES))
-def test_saved_tensor_modified_in_place_raises(case: str, policy: Any) -> None:
+def test_saved_tensor_modified_in_place_raises(case: str, policy: Any, request: Any) -> None:
+    if case == "through_view_in_region" and policy == "must_save_all":
+        request.applymarker(pytest.mark.xfail(reason="core bug #3, see notes", strict=True))
     fn = VERSION_CASES[case]
     out = fn(contextlib.nullcontext, leaf(3, 4))
     with pytest.raises(RuntimeError, match=VERSION_ERROR):
-        out.sum().backward()
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
 
     out = fn(lambda: cg.save_recompute_policy(policy), leaf(3, 4))
     with pytest.raises(RuntimeError, match=VERSION_ERROR):
-        out.sum().backward()
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
 
 
 # --------------------------------------------------------------------------- failure during recompute
