@@ -61,17 +61,18 @@ def compare_markdown(doc: dict[str, Any], command: str) -> str:
         f"batch {c['batch']}, seq-len {c['seq_len']}, {c['dtype']}, {c['device']}, "
         f"{c['threads']} torch threads; torch {m['torch']}, {m['cpu_count']} CPUs, {m['date']}. "
         f"One training step (forward + backward) each; time is the median of {c['repeat']} "
-        "interleaved steps; ratios are against `none` in the same run.",
+        "interleaved steps; ratios are against `none` in the same run (CPU = process CPU time, "
+        f"steadier than wall time on a loaded machine). Load average: {_load(m)}.",
         "",
-        f"| strategy | peak MiB | {X} none | step ms | {X} none | extra ops | extra GFLOP "
-        "| max \\|grad diff\\| |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| strategy | peak MiB | {X} none | step ms | {X} none | CPU {X} none | extra ops "
+        "| extra GFLOP | max \\|grad diff\\| |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     notes = []
     for r in doc["results"]:
         name = r["strategy"]
         if r["status"] != "ok":
-            lines.append(f"| {name} | {r['status']} | | | | | | |")
+            lines.append(f"| {name} | {r['status']} | | | | | | | |")
             notes.append(f"- {name}: {r['note']}")
             continue
         peak = None if r["peak_bytes"] is None else r["peak_bytes"] / 2**20
@@ -79,7 +80,8 @@ def compare_markdown(doc: dict[str, Any], command: str) -> str:
         gflop = None if r["extra_flops"] is None else r["extra_flops"] / 1e9
         lines.append(
             f"| {name} | {_fmt(peak, '.1f')} | {_fmt(r['peak_ratio'], '.2f')} | {_fmt(ms, '.1f')}"
-            f" | {_fmt(r['time_ratio'], '.2f')} | {_fmt(r['extra_ops'], 'd')} "
+            f" | {_fmt(r['time_ratio'], '.2f')} | {_fmt(r.get('cpu_time_ratio'), '.2f')} "
+            f"| {_fmt(r['extra_ops'], 'd')} "
             f"| {_fmt(gflop, '.3f')} | {_fmt(r['max_grad_diff'], '.3g')} |"
         )
         if r["note"]:
@@ -91,6 +93,11 @@ def compare_markdown(doc: dict[str, Any], command: str) -> str:
     if notes:
         lines += ["", "Notes:", "", *notes]
     return "\n".join(lines)
+
+
+def _load(machine: dict[str, Any]) -> str:
+    load = machine.get("load_average")
+    return "?" if not load else ", ".join(f"{v:.1f}" for v in load)
 
 
 def _run(cmd: list[str]) -> tuple[int, str, float]:

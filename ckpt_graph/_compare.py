@@ -85,6 +85,8 @@ class StrategyResult:
         step_time_s: median step time over the timed repeats (forward + backward).
         step_times_s: every timed step.
         time_ratio: ``step_time_s`` / that of ``none``.
+        cpu_time_ratio: median process CPU time of a step / that of ``none``: steadier than
+            wall time on a loaded machine (with one thread; with more it counts every thread).
         extra_ops: aten ops run in one step beyond those of ``none`` (the recomputed ops).
         extra_flops: FLOPs beyond those of ``none`` (the recompute FLOPs; matmuls, convolutions
             and attention only).
@@ -100,6 +102,7 @@ class StrategyResult:
     step_time_s: float | None = None
     step_times_s: tuple[float, ...] = ()
     time_ratio: float | None = None
+    cpu_time_ratio: float | None = None
     extra_ops: int | None = None
     extra_flops: int | None = None
     max_grad_diff: float | None = None
@@ -475,14 +478,18 @@ def _run(
         if name not in forwards:
             done += (2 if count_ops else 1) + repeat
     times: dict[str, list[float]] = {n: [] for n in forwards}
+    cpu: dict[str, list[float]] = {n: [] for n in forwards}
     for r in range(repeat):
         for name, forward in forwards.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             _step(w, forward)
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
             tick(f"{name}: timed step {r + 1}/{repeat}")
     for p in params:
         p.grad = None
+    for name in forwards:
+        partial[name]["cpu"] = statistics.median(cpu[name])
     return [_finish(partial[n], times.get(n, []), partial["none"], times["none"]) for n in names]
 
 
@@ -507,6 +514,7 @@ def _finish(
         step_time_s=med,
         step_times_s=tuple(times),
         time_ratio=med / statistics.median(none_times),
+        cpu_time_ratio=fig["cpu"] / none["cpu"] if none["cpu"] > 0 else None,
         extra_ops=extra_ops,
         extra_flops=extra_flops,
         max_grad_diff=fig["max_grad_diff"],

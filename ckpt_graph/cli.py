@@ -200,6 +200,7 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
@@ -224,6 +225,7 @@ _COLUMNS = (
     "x none",
     "step ms",
     "x none",
+    "cpu x none",
     "extra ops",
     "extra GFLOP",
     "max|dgrad|",
@@ -242,10 +244,11 @@ def _rows(results: Sequence[StrategyResult]) -> list[list[str]]:
         rows.append(
             [
                 r.strategy,
-                _fmt(mib, ".1f"),
+                _fmt(mib, ".3f" if mib is not None and mib < 1 else ".1f"),
                 _fmt(r.peak_ratio, ".2f"),
                 _fmt(ms, ".1f"),
                 _fmt(r.time_ratio, ".2f"),
+                _fmt(r.cpu_time_ratio, ".2f"),
                 _fmt(r.extra_ops, "d"),
                 _fmt(gflop, ".3f"),
                 _fmt(r.max_grad_diff, ".3g"),
@@ -267,8 +270,10 @@ def _notes(results: Sequence[StrategyResult]) -> list[str]:
     return notes
 
 
-def format_table(results: Sequence[StrategyResult], config: Mapping[str, Any]) -> str:
-    """The comparison as a plain-text table with a header line and notes.
+def format_table(
+    results: Sequence[StrategyResult], config: Mapping[str, Any], *, rich: bool = False
+) -> str:
+    """The comparison as a table with header lines and notes; ``rich=True`` draws it with rich.
 
     Example:
         >>> print(format_table(run_comparison("mlp", layers=2, width=8, batch=2), cfg))  # doctest: +SKIP
@@ -284,24 +289,44 @@ def format_table(results: Sequence[StrategyResult], config: Mapping[str, Any]) -
         )
 
     info = machine_info()
-    out = [
+    load = info["load_average"]
+    head = [
         f"ckpt-graph compare: {_describe(config)}",
-        f"torch {info['torch']}, {info['cpu_count']} CPUs, {info['date']}; "
-        f"{config['threads']} threads; one training step each, time = median of {config['repeat']}",
-        "",
-        cells(_COLUMNS),
-        line("-" * w for w in widths),
-        *(cells(row) for row in rows),
+        f"torch {info['torch']}, {info['cpu_count']} CPUs, {config['threads']} threads, "
+        f"load {'?' if load is None else f'{load[0]:.1f}'}, {info['date']}; "
+        f"one training step each, time = median of {config['repeat']}",
     ]
     notes = _notes(results)
+    tail = [
+        "x none: wall time ratio; cpu x none: process CPU time ratio (steadier under load); "
+        "extra ops / GFLOP: aten ops and matmul/conv/attention FLOPs run beyond 'none' (the "
+        "recompute); max|dgrad|: max |grad - grad of none| over all parameters."
+    ]
+    if rich:
+        return _rich_table(head, rows, [*notes, *tail])
+    out = [*head, "", cells(_COLUMNS), line("-" * w for w in widths), *(cells(r) for r in rows)]
     if notes:
         out += ["", *notes]
-    out += [
-        "",
-        "extra ops / GFLOP: aten ops and matmul/conv/attention FLOPs run beyond 'none' "
-        "(the recompute); max|dgrad|: max |grad - grad of none| over all parameters.",
-    ]
-    return "\n".join(out)
+    return "\n".join([*out, "", *tail])
+
+
+def _rich_table(head: list[str], rows: list[list[str]], notes: list[str]) -> str:
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="\n".join(head), title_justify="left")
+    for i, column in enumerate(_COLUMNS):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=120)
+    console.print(table)
+    for note in notes:
+        console.print(note, highlight=False)
+    return buf.getvalue().rstrip("\n")
 
 
 def write_json(path: str, results: Sequence[StrategyResult], config: Mapping[str, Any]) -> None:
@@ -397,7 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if progress is not None:
             progress.close()
-    print(format_table(results, config))
+    use_rich = sys.stdout.isatty() and importlib.util.find_spec("rich") is not None
+    print(format_table(results, config, rich=use_rich))
     if args.json:
         write_json(args.json, results, config)
         print(f"wrote {args.json}", file=sys.stderr)
