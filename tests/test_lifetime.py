@@ -92,14 +92,17 @@ def test_nothing_alive_after_dropping_graph_without_backward(policy: Any) -> Non
         del region
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
-def test_recompute_all_drops_intermediates_during_forward(policy: Any) -> None:
+@pytest.mark.parametrize(
+    "policy", ["recompute_all", save_matmuls], ids=["recompute_all", "save_matmuls"]
+)
+def test_recomputed_intermediates_dropped_during_forward(policy: Any) -> None:
+    # No op here is a matmul, so save_matmuls recomputes everything too: right after the
+    # forward, none of the intermediates may be alive (the graph holds handles, not values).
     x = leaf(3, 4)
     with gc_disabled():
         out, refs, _ = _forward(x, policy)
-        alive = len(_alive(refs))
-        # No op here is a matmul, so save_matmuls recomputes everything too.
-        assert alive == (len(refs) if policy == "must_save_all" else 0)
+        assert not _alive(refs)
+        assert not _alive(LIVE_OUTPUTS)
         out.backward()
 
 
