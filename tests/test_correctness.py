@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from models import assert_same, check, leaf, run, save_matmuls
+from models import assert_same, check, const_policy, leaf, run, save_matmuls
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 import ckpt_graph as cg
 
@@ -319,6 +320,97 @@ def test_inplace_on_region_input_without_grad(policy: Any) -> None:
         return y.exp() * x
 
     check(fn, [leaf(3, 4), leaf(3, 4, seed=1, grad=False)], policy)
+
+
+# --------------------------------------------------------------------------- misc semantics
+
+
+def _no_grad_inside(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        s = (x * w).sum()  # recorded without grad; needed by the mul below
+    return (x.sin() * s * w).exp()
+
+
+def _detach_alias_mutated(x: torch.Tensor) -> torch.Tensor:
+    h = x * 2
+    d = h.detach()
+    d.add_(1)  # mutates h's storage through a detached alias
+    return h.sin()
+
+
+def _item_scalar(x: torch.Tensor) -> torch.Tensor:
+    s = x.detach().abs().sum().item()  # a Python float baked into the next op
+    return (x.cos() * s).sin()
+
+
+def _masked(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x.exp()
+    m = h > 1.2
+    return (torch.where(m, h * w, w.sin()).masked_fill(~m & (w > 0), 0.5) * h).sum(0)
+
+
+def _scatter_index_put(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x.sin() * 1
+    idx = x.detach().argmax(dim=1, keepdim=True)
+    h = h.scatter(1, idx, w[:, :1])
+    h.index_put_((torch.tensor([0, 2]),), w[0, :4] * 2, accumulate=True)
+    return (h * h).sum()
+
+
+def _embedding_bag(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    idx = torch.tensor([0, 2, 1, 2, 0])
+    offsets = torch.tensor([0, 2])
+    return (F.embedding_bag(idx, x.exp(), offsets, mode="mean") * w[:2]).sin()
+
+
+def _sdpa_dropout(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    q = (x @ w).view(1, 2, 3, 2)
+    return F.scaled_dot_product_attention(q, q.sin(), q.cos(), dropout_p=0.4).exp()
+
+
+MISC_CASES: dict[str, Case] = {
+    "no_grad_inside": (_no_grad_inside, [leaf(3, 4), leaf(3, 4, seed=2)]),
+    "detach_alias_mutated": (_detach_alias_mutated, [leaf(3, 4)]),
+    "item_scalar": (_item_scalar, [leaf(3, 4)]),
+    "where_masked_fill": (_masked, [leaf(3, 4), leaf(3, 4, seed=2)]),
+    "scatter_index_put_": (_scatter_index_put, [leaf(3, 4), leaf(3, 4, seed=2)]),
+    "embedding_bag": (_embedding_bag, [leaf(3, 4), leaf(3, 4, seed=2)]),
+    "sdpa_dropout": (_sdpa_dropout, [leaf(3, 4), leaf(4, 4, seed=2)]),
+}
+OFFLOAD = [
+    const_policy(CheckpointPolicy.MUST_CPU_OFFLOAD, "offload_all"),
+    const_policy(CheckpointPolicy.PREFER_CPU_OFFLOAD, "prefer_offload_all"),
+]
+
+
+@pytest.mark.parametrize(
+    "policy",
+    POLICIES + OFFLOAD,
+    ids=["recompute_all", "must_save_all", "save_matmuls", "offload", "prefer_offload"],
+)
+@pytest.mark.parametrize("name", list(MISC_CASES))
+def test_misc_semantics(name: str, policy: Any) -> None:
+    fn, inputs = MISC_CASES[name]
+    check(fn, inputs, policy)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["recompute_all", "must_save_all", "save_matmuls"])
+@pytest.mark.parametrize("target", ["view", "input", "leaf_in_region", "output"])
+def test_tags_keep_gradients_exact(policy: Any, target: str) -> None:
+    def fn(x: torch.Tensor, w: torch.Tensor) -> Any:
+        h = (x * w).exp()
+        tagged = {"view": h[1:], "input": x, "leaf_in_region": w, "output": h}[target]
+        cg.tag_with_policy(tagged, True)
+        cg.tag_with_policy(h.sin(), False)
+        return (h[1:].tanh() * h[:2]).sum() + h.cos().sum()
+
+    def eager(x: torch.Tensor, w: torch.Tensor) -> Any:
+        h = (x * w).exp()
+        return (h[1:].tanh() * h[:2]).sum() + h.cos().sum()
+
+    ref = run(eager, [leaf(3, 4), leaf(3, 4, seed=2)], None)
+    got = run(fn, [leaf(3, 4), leaf(3, 4, seed=2)], policy)
+    assert_same(ref, got)
 
 
 # --------------------------------------------------------------------------- buffers
