@@ -93,6 +93,15 @@ def _version_error(h: Handle, region: Region, current: int) -> CkptGraphError:
     )
 
 
+def _check_version(region: Region, h: Handle) -> None:
+    """Raise autograd's version-counter error if the forward tensor of ``h`` changed."""
+    t = h.value if h.value is not None and h.offload_device is None else None
+    if t is None and h.ref is not None:
+        t = h.ref()
+    if t is not None and h.version != -1 and t._version != h.version:
+        raise _version_error(h, region, t._version)
+
+
 def _kept_value(region: Region, h: Handle) -> torch.Tensor:
     v = h.value
     if v is None:
@@ -100,10 +109,9 @@ def _kept_value(region: Region, h: Handle) -> torch.Tensor:
             f"ckpt_graph: the kept value {h!r} was already released; run backward once per "
             "forward, or pass retain_graph=True to the first backward"
         )
+    _check_version(region, h)
     if h.offload_device is not None:
         return v.to(h.offload_device, non_blocking=True)
-    if h.version != -1 and v._version != h.version:
-        raise _version_error(h, region, v._version)
     return v
 
 
@@ -112,11 +120,9 @@ def unpack_value(region: Region, h: Handle) -> torch.Tensor:
     if h.superseded:
         t = h.ref() if h.ref is not None else None
         raise _version_error(h, region, t._version if t is not None else h.version + 1)
-    t = h.ref() if h.ref is not None else None
-    if t is not None and h.version != -1 and t._version != h.version:
-        raise _version_error(h, region, t._version)
     if h.reason is not None:
         return _kept_value(region, h)
+    _check_version(region, h)
     task = _current_task()
     state = region._pass
     one_shot = task == -1

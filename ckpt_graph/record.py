@@ -32,6 +32,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +46,19 @@ if TYPE_CHECKING:
 __all__ = ["Recorder"]
 
 _current_task = torch._C._current_graph_task_id
+_ONES_LIKE = torch.ops.aten.ones_like.default
+
+
+def _seed_gradient() -> bool:
+    """Whether ``ones_like`` is autograd making the implicit seed gradient of a backward."""
+    frame: Any = sys._getframe(3)
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_make_grads":
+            return True
+        frame = frame.f_back
+    return False
 
 
 class Recorder(TorchDispatchMode):
@@ -65,13 +79,19 @@ class Recorder(TorchDispatchMode):
             kwargs = {}
         region = self.region
         # Backward run inside the region, and the region's own recompute, are not recorded.
-        if not region._recording or _current_task() != region._task:
+        if (
+            not region._recording
+            or _current_task() != region._task
+            or (func is _ONES_LIKE and _seed_gradient())
+        ):
             return func(*args, **kwargs)
         info = _OP_INFO.get(func) or op_info(func)
+        region._op_name = info.name
         h_args, h_kwargs, inputs = region._scan(args, kwargs)
-        if info.writes:
-            region._before_write(info, args, kwargs, h_args, h_kwargs)
+        overwritten = (
+            region._before_write(info, args, kwargs, h_args, h_kwargs) if info.writes else None
+        )
         rng = region._capture_rng(args, kwargs) if info.is_random else None
         out = func(*args, **kwargs)
-        region._record(func, info, h_args, h_kwargs, inputs, out, rng, args, kwargs)
+        region._record(func, info, h_args, h_kwargs, inputs, out, rng, args, kwargs, overwritten)
         return out

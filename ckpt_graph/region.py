@@ -38,6 +38,7 @@ _KEEP = {
 }
 
 _tls = threading.local()
+_DK = torch._C.DispatchKey
 
 
 def current_region() -> Region | None:
@@ -78,6 +79,7 @@ class Region:
         self._by_storage: dict[int, list[Handle]] | None = None
         self._lazy: list[Handle] = []
         self._recording = False
+        self._op_name = "tag_with_policy"
         self._open = False
         self._closed = False
         self._task = -1
@@ -154,7 +156,7 @@ class Region:
         else:
             reason = graph.INPUT
         h = Handle(t, -1, len(self.inputs))
-        h.keep(t, reason)
+        h.keep(self._detached(t), reason)
         self.inputs.append(h)
         self._ids[id(t)] = h
         if self._by_storage is not None:
@@ -194,8 +196,13 @@ class Region:
         kwargs: dict[str, Any],
         h_args: tuple[Any, ...],
         h_kwargs: dict[str, Any],
-    ) -> None:
-        """Copy kept values that an in-place op is about to change. See Note [Mutation and views]."""
+    ) -> Handle | None:
+        """Copy kept values an in-place op is about to change. See Note [Mutation and views].
+
+        Returns:
+            The written argument's kept handle if it is overwritten without a copy (its
+            new version must then be kept), else ``None``.
+        """
         if self._by_storage is None:
             self._by_storage = {}
             for h in self.inputs:
@@ -204,23 +211,42 @@ class Region:
                 for o in node.outputs:
                     if o is not None and o.value is not None:
                         self._index_storage(o)
+        overwritten: Handle | None = None
         for w in info.writes:
             t = args[w] if isinstance(w, int) else kwargs.get(w)
             written = h_args[w] if isinstance(w, int) else h_kwargs.get(w)
             if not isinstance(t, torch.Tensor) or not isinstance(written, Handle):
                 continue
-            for k in self._by_storage.get(t.untyped_storage().data_ptr(), ()):
-                if k.value is None or k.superseded:
+            if not info.silent_writes:
+                self._supersede_view_bases(written)
+            key = t.untyped_storage().data_ptr()
+            entries = self._by_storage.pop(key, None)
+            if not entries:
+                continue
+            for k in entries:
+                if k.value is None:
                     continue
-                if k is written:
-                    if k.uses == 0 and info.returns_written:
-                        continue  # its new version is kept instead: rule 4
-                elif k.uses == 0:
+                if k is not written and not info.silent_writes:
+                    k.superseded = True  # an alias: it shares the version counter
+                if k is written and k.uses == 0 and info.returns_written:
+                    overwritten = k  # rule 4: its new version keeps the tensor
                     continue
+                if k.uses == 0 and (k is not written or info.returns_written):
+                    continue  # nobody needs the old value (this op does if it has other outputs)
                 k.value = exact_copy(k.value)
                 k.version = k.value._version
                 k.ref = None
                 self._index_storage(k)
+        return overwritten
+
+    def _supersede_view_bases(self, h: Handle) -> None:
+        """A write through a view changes the values of the view's bases too."""
+        while h.is_view and h.node_index >= 0:
+            inputs = self.nodes[h.node_index].inputs
+            if not inputs:
+                break
+            h = inputs[0]
+            h.superseded = True
 
     # ----------------------------------------------------------------- recording
     def _capture_rng(
@@ -253,6 +279,7 @@ class Region:
         rng: tuple[torch.Generator, torch.Tensor] | None,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        overwritten: Handle | None,
     ) -> None:
         if isinstance(out, torch.Tensor):
             outs: tuple[Any, ...] | list[Any] = (out,)
@@ -293,7 +320,7 @@ class Region:
             node.stack = "".join(traceback.format_stack(limit=14)[:-4])
             node.checksums = checksums(outs)
         self.nodes.append(node)
-        self._decide(node, out, args, kwargs, previous, outs)
+        self._decide(node, out, args, kwargs, overwritten, outs)
 
     def _mark_written(
         self,
@@ -323,7 +350,7 @@ class Region:
         out: Any,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        previous: Handle | None,
+        overwritten: Handle | None,
         outs: Any,
     ) -> None:
         if self._constant is not None:
@@ -347,13 +374,15 @@ class Region:
         for o, h in zip(outs, node.outputs, strict=True):
             if h is None:
                 continue
-            if previous is not None and previous.value is o:
-                h.keep(previous.value, graph.INPLACE_ON_KEPT)
+            if overwritten is not None:
+                h.keep(self._detached(o), graph.INPLACE_ON_KEPT)
+                overwritten.value = None  # superseded: nobody used the old version
             elif keep:
                 self._keep(h, o, graph.POLICY, _KEEP.get(decision, False))
             else:
                 continue
-            self.kept_bytes += h.nbytes
+            if not h.is_view:  # a view's bytes belong to its base
+                self.kept_bytes += h.nbytes
             if self._by_storage is not None:
                 self._index_storage(h)
 
@@ -361,7 +390,29 @@ class Region:
         if offload and t.device.type != "cpu":
             h.offload_device = t.device
             t = t.to("cpu", non_blocking=True)
-        h.keep(t, reason)
+        h.keep(self._detached(t), reason)
+
+    def _detached(self, t: torch.Tensor) -> torch.Tensor:
+        """An alias of ``t`` without autograd history, for the region to keep.
+
+        Kept values must not refer to the autograd graph: the graph holds the packed
+        saved tensors, which hold the region, which would make a reference cycle. The
+        recorder runs below autograd, where ``detach`` would give the alias a version
+        counter of its own; re-enabling the ADInplaceOrView key for the call makes it
+        share the forward tensor's counter, so later in-place changes stay visible.
+        """
+        if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+            include = torch._C._dispatch_tls_local_include_set()
+            exclude = torch._C._dispatch_tls_local_exclude_set()
+            exclude = exclude.remove(_DK.ADInplaceOrView).add(_DK.Python).add(_DK.PythonTLSSnapshot)
+            with torch._C._ForceDispatchKeyGuard(include, exclude):
+                return t.detach()
+        recording = self._recording
+        self._recording = False
+        try:
+            return t.detach()
+        finally:
+            self._recording = recording
 
     # ----------------------------------------------------------------- policies
     def _push(self, policy: PolicyFn) -> None:
@@ -406,13 +457,13 @@ class Region:
         if decision in _KEEP:
             if not h.kept:
                 self._keep(h, t, graph.TAG, _KEEP[decision])
-                self.kept_bytes += h.nbytes
+                self.kept_bytes += 0 if h.is_view else h.nbytes
                 if self._by_storage is not None:
                     self._index_storage(h)
             else:
                 h.reason = graph.TAG
         elif h.kept:
-            self.kept_bytes -= h.nbytes
+            self.kept_bytes -= 0 if h.is_view else h.nbytes
             h.drop()
 
     # ----------------------------------------------------------------- backward
