@@ -819,3 +819,26 @@ def test_one_module_policy_in_regions_of_two_threads() -> None:
         paths = [region.nodes[i].module_path for i, _ in sorted(_kept(region))]
         assert paths == ["blocks.0.2", "blocks.2.2", "blocks.3.2"]
     assert len(alone) == 3
+
+
+@needs_engine
+def test_save_module_outputs_tags_every_tensor_of_a_structured_output() -> None:
+    class TwoHeads(nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[str, Any]:
+            return {"pair": (x.sin(), x.cos()), "scale": 2.0, "sq": [x * x]}
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads = TwoHeads()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.heads(x.exp())
+            return (out["pair"][0] * out["pair"][1] + out["sq"][0]).sum() * out["scale"]
+
+    x = models.leaf(3, 4)
+    _, got = models.check(Model(), [x], policies.save_module_outputs("heads"))
+    region = got.region
+    kept = {region.nodes[i].op for i, _ in _kept(region)}
+    assert kept == {aten.sin.default, aten.cos.default, aten.mul.Tensor}
+    assert all(region.nodes[i].decided_by == "tag" for i, _ in _kept(region))
