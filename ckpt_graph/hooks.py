@@ -51,6 +51,7 @@ def pack_hook(region: Region, t: torch.Tensor) -> Any:
         return t
     h = region.handle_of(t)
     h.uses += 1
+    region.saved.append((len(region.nodes), h))
     return Packed(region, h)
 
 

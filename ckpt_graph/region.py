@@ -52,6 +52,8 @@ class Region:
     Attributes:
         nodes: the recorded op nodes, in forward order.
         inputs: handles of region inputs and of values taken as they were (always kept).
+        saved: every tensor autograd saved in the region, in order, as ``(number of op
+            nodes recorded before the save, handle)``; backward unpacks roughly in reverse.
         kept_bytes: bytes of the values kept by policy, tags or the engine (inputs excluded).
         debug: whether recomputed values are checked against the forward (checksums).
 
@@ -71,6 +73,7 @@ class Region:
     def __init__(self, debug: bool = False) -> None:
         self.nodes: list[OpNode] = []
         self.inputs: list[Handle] = []
+        self.saved: list[tuple[int, Handle]] = []
         self.kept_bytes = 0
         self.debug = debug
         self._policies: list[PolicyFn] = []
@@ -123,7 +126,6 @@ class Region:
             if h.version == -1 and t is not None:
                 h.version = t._version
         self._lazy = []
-        self._ids = {}
         self._by_storage = None
         self._ctx = None
         self._modules.clear()
@@ -143,6 +145,13 @@ class Region:
                     o.cache = None
 
     # ----------------------------------------------------------------- handles
+    def lookup(self, t: torch.Tensor) -> Handle | None:
+        """The handle of the value ``t`` held when last seen in the region, or ``None``."""
+        h = self._ids.get(id(t))
+        if h is None or h.ref is None or h.ref() is not t:
+            return None
+        return h
+
     def handle_of(self, t: torch.Tensor) -> Handle:
         """The handle of the value ``t`` holds now; a new kept input handle if unseen."""
         old = self._ids.get(id(t))
@@ -471,6 +480,39 @@ class Region:
         self._live_packs -= 1
         if self._live_packs == 0 and self._closed:
             self._release()
+
+    # ----------------------------------------------------------------- introspection
+    # See ckpt_graph/analysis.py.
+    @property
+    def graph(self) -> Any:
+        """The recorded graph as records of op nodes (see ``analysis.graph``)."""
+        from . import analysis
+
+        return analysis.graph(self)
+
+    def to_networkx(self) -> Any:
+        """The recorded graph as a ``networkx.DiGraph`` (see ``analysis.to_networkx``)."""
+        from . import analysis
+
+        return analysis.to_networkx(self)
+
+    def to_dot(self) -> str:
+        """The recorded graph as DOT text (see ``analysis.to_dot``)."""
+        from . import analysis
+
+        return analysis.to_dot(self)
+
+    def summary(self) -> Any:
+        """What is kept, what is recomputed and what it costs (see ``analysis.summary``)."""
+        from . import analysis
+
+        return analysis.summary(self)
+
+    def explain(self, tensor: torch.Tensor) -> Any:
+        """Why ``tensor``'s value is kept or recomputed (see ``analysis.explain``)."""
+        from . import analysis
+
+        return analysis.explain(self, tensor)
 
     def __repr__(self) -> str:
         state = "open" if self._open else "closed"
