@@ -3,11 +3,12 @@
 The chain is ``x = x * 1.0001 + sin(x)`` (3 aten ops per step) on a small tensor, so the time is
 all per-op overhead: Python, dispatch, autograd, and whatever each checkpointing method adds.
 Methods run interleaved (one repeat of every method, then the next repeat) so that ratios are
-measured side by side; the figure is the median over repeats, divided by the number of aten ops
-of the forward. Prints a markdown section on stdout, progress on stderr.
+measured side by side; the figure is the median process CPU time over repeats (wall time in
+parentheses), divided by the number of aten ops of the forward. Prints a markdown section on
+stdout, progress on stderr.
 
 Usage:
-    python benchmarks/bench_overhead.py [--ops 2000] [--repeat 7] [--size 16] [--threads 1]
+    python benchmarks/bench_overhead.py [--ops 2000] [--repeat 11] [--size 16] [--threads 1]
 """
 
 from __future__ import annotations
@@ -89,22 +90,25 @@ def _methods(steps: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     }
 
 
-def _time(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, backward: bool) -> float:
+def _time(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, backward: bool
+) -> tuple[float, float]:
+    """Wall time and process CPU time of one call (CPU time is steadier on a loaded machine)."""
     gc.collect()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     y = fn(x)
     if backward:
         y.sum().backward()
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     del y
     x.grad = None
-    return elapsed
+    return elapsed, cpu
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=2000, help="aten ops in the forward chain")
-    parser.add_argument("--repeat", type=int, default=7, help="repeats (median)")
+    parser.add_argument("--repeat", type=int, default=11, help="repeats (median)")
     parser.add_argument("--size", type=int, default=16, help="elements of the tensor")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args(argv)
@@ -122,29 +126,38 @@ def main(argv: list[str] | None = None) -> int:
         y = fn(x)
         (g,) = torch.autograd.grad(y.sum(), x)
         torch.testing.assert_close(g, ref_grad, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
-    times: dict[tuple[str, bool], list[float]] = {}
+    wall: dict[tuple[str, bool], list[float]] = {}
+    cpu: dict[tuple[str, bool], list[float]] = {}
     for r in range(args.repeat):
         print(f"repeat {r + 1}/{args.repeat}", file=sys.stderr)
         for name, fn in methods.items():
             for backward in (False, True):
-                times.setdefault((name, backward), []).append(_time(fn, x, backward))
-    us = {k: statistics.median(v) / n_ops * 1e6 for k, v in times.items()}
+                t, c = _time(fn, x, backward)
+                wall.setdefault((name, backward), []).append(t)
+                cpu.setdefault((name, backward), []).append(c)
+    us = {k: statistics.median(v) / n_ops * 1e6 for k, v in cpu.items()}
+    us_wall = {k: statistics.median(v) / n_ops * 1e6 for k, v in wall.items()}
     plain_f, plain_b = us["plain autograd", False], us["plain autograd", True]
     print("## Recording overhead (bench_overhead.py)\n")
     print(
         f"Chain of {n_ops} tiny aten ops (`x = x * 1.0001 + sin(x)`, {args.size} float32 "
         f"elements, {args.threads} thread(s)); median of {args.repeat} interleaved repeats; "
-        "µs per forward op (forward+backward time is also divided by the forward's op count).\n"
+        "µs of process CPU time per forward op (forward+backward time is also divided by the "
+        "forward's op count); wall-clock µs/op in parentheses.\n"
     )
     print(f"| method | forward µs/op | {X} plain | fwd+bwd µs/op | {X} plain |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name in methods:
         f, b = us[name, False], us[name, True]
-        print(f"| {name} | {f:.2f} | {f / plain_f:.2f} | {b:.2f} | {b / plain_b:.2f} |")
+        fw, bw = us_wall[name, False], us_wall[name, True]
+        print(
+            f"| {name} | {f:.2f} ({fw:.2f}) | {f / plain_f:.2f} | {b:.2f} ({bw:.2f}) "
+            f"| {b / plain_b:.2f} |"
+        )
     sac = "torch selective checkpointing (PREFER_RECOMPUTE)"
     mine = "ckpt_graph (recompute_all)"
     print(
-        f"\nckpt_graph / torch selective checkpointing: forward "
+        f"\nckpt_graph / torch selective checkpointing (CPU time): forward "
         f"{us[mine, False] / us[sac, False]:.2f}{X}, forward+backward "
         f"{us[mine, True] / us[sac, True]:.2f}{X} (performance bar: forward ≤ 1.00{X})."
     )

@@ -9,7 +9,7 @@ Usage:
     python benchmarks/run_all.py --out BENCH_RUN.md    # also write it to a file
     python benchmarks/run_all.py --only compare --out benchmarks/results_compare.md
     python benchmarks/run_all.py --only overhead --out benchmarks/results_overhead.md
-    python benchmarks/run_all.py --compare-args "--model cnn --repeat 5"
+    python benchmarks/run_all.py --only compare --compare-args "" --compare-args "--model cnn"
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def compare_markdown(doc: dict[str, Any], command: str) -> str:
     c = doc["config"]
     m = doc["machine"]
     lines = [
-        "## Strategy comparison (`ckpt-graph compare`)",
+        f"## Strategy comparison (`ckpt-graph compare`, model {c['model']})",
         "",
         f"Command: `{command}`. Model {c['model']}: {c['layers']} layers, width {c['width']}, "
         f"batch {c['batch']}, seq-len {c['seq_len']}, {c['dtype']}, {c['device']}, "
@@ -136,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list of names to run: 'compare' and/or bench script names without the "
         "bench_ prefix (e.g. overhead,grads)",
     )
-    parser.add_argument("--compare-args", default="", help="extra arguments for compare")
+    parser.add_argument(
+        "--compare-args",
+        action="append",
+        help="extra arguments for compare; repeat the option for several runs (default: one "
+        "run on the default model)",
+    )
     args = parser.parse_args(argv)
     scripts = sorted(HERE.glob("bench_*.py"))
     wanted = None if args.only is None else {s.strip() for s in args.only.split(",")}
@@ -146,9 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     sections = ["# ckpt_graph benchmarks", "", machine_header()]
     failed = 0
     if wanted is None or "compare" in wanted:
-        code, text = run_compare(args.compare_args)
-        failed += code != 0
-        sections += ["", text]
+        for extra in args.compare_args or [""]:
+            code, text = run_compare(extra)
+            failed += code != 0
+            sections += ["", text]
     for script in scripts:
         if wanted is not None and script.stem.removeprefix("bench_") not in wanted:
             continue
