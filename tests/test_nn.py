@@ -183,6 +183,11 @@ def test_backward_leaves_shared_gradients_alone() -> None:
     out.register_hook(lambda g: stored.append(g))
     (out * weight).sum().backward()
     assert torch.equal(stored[0], weight)
+    # Retained as the output's .grad.
+    out = abn(leaf * 2.0)
+    out.retain_grad()
+    (out * weight).sum().backward()
+    assert torch.equal(out.grad, weight)
 
 
 @pytest.mark.parametrize(
@@ -223,6 +228,9 @@ def test_rejects_inputs_that_cannot_be_written_in_place() -> None:
     abn(leaf.clone()).sum().backward()
     with torch.no_grad():
         assert abn(leaf).data_ptr() == leaf.data_ptr()
+    with torch.inference_mode():
+        data = torch.randn(4, 3, 5)
+        assert abn(data).data_ptr() == data.data_ptr()
 
 
 def test_zero_weight() -> None:
