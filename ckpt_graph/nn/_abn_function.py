@@ -137,7 +137,7 @@ def _measure_baselines() -> tuple[int, int]:
     # See Note [In-place activated BatchNorm], rule 5.
     if not hasattr(torch.Tensor, "_use_count") or not hasattr(torch._C, "_storage_Use_Count"):
         return -1, -1
-    with torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad():
         y = _Probe.apply(torch.zeros(2, requires_grad=True))
         node = y.grad_fn
         (y * 2.0).sum().backward()  # y's gradient: a fresh tensor made by MulBackward
