@@ -222,6 +222,14 @@ def table(results: list[Result], width: int, layers: int, batch: int) -> str:
             f"{r.ops} | {r.cpu_ms:.2f} ms ({r.cpu_min_ms:.2f}) | {r.cpu_ratio:.3f} | "
             f"{r.wall_ms:.2f} ms | {r.wall_ratio:.3f} |"
         )
+    by_mode = {r.mode: r for r in results}
+    acc = by_mode["zero_+accumulate"].cpu_ms
+    lines += [
+        "",
+        "With the flat buffer, CPU time relative to zero_+accumulate: "
+        + ", ".join(f"{m} {by_mode[m].cpu_ms / acc:.3f}" for m in MODES[2:5])
+        + ".",
+    ]
     return "\n".join(lines)
 
 
