@@ -335,6 +335,7 @@ def run_comparison(
     seq_len: int | None = None,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    dropout: float = 0.0,
     strategies: Sequence[str] = DEFAULT_STRATEGIES,
     repeat: int = 3,
     seed: int = 0,
@@ -351,7 +352,7 @@ def run_comparison(
     round-robin across strategies so that time ratios are measured side by side.
 
     Args:
-        model, layers, width, batch, seq_len, dtype, device: the workload (see
+        model, layers, width, batch, seq_len, dtype, device, dropout: the workload (see
             :func:`ckpt_graph.zoo.build_workload`).
         strategies: names from :data:`STRATEGIES`; ``none`` is always run first as the reference.
         repeat: timed steps per strategy (the median is reported).
@@ -390,6 +391,7 @@ def run_comparison(
                 seq_len=seq_len,
                 dtype=dtype,
                 device=device,
+                dropout=dropout,
                 seed=seed,
             ),
             names,

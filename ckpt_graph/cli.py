@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("seq-len", "sequence length (cnn: image side; mlp: ignored)"),
     ):
         cmp.add_argument(f"--{name}", type=int, default=None, help=f"{what} (default per model)")
+    cmp.add_argument(
+        "--dropout", type=float, default=0.0, help="dropout probability (gpt, hf-*; default 0)"
+    )
     cmp.add_argument("--dtype", default="float32", help=f"one of {', '.join(_DTYPES)}")
     cmp.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     cmp.add_argument("--repeat", type=int, default=3, help="timed steps per strategy (median)")
@@ -111,6 +114,8 @@ def _check_args(args: argparse.Namespace) -> dict[str, object]:
         )
     if args.repeat < 1:
         raise UsageError(f"--repeat must be at least 1, got {args.repeat}")
+    if not 0.0 <= args.dropout < 1.0:
+        raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be at least 1, got {args.threads}")
     d = DEFAULTS[args.model]
@@ -138,6 +143,7 @@ def _check_args(args: argparse.Namespace) -> dict[str, object]:
         **sizes,
         "dtype": _DTYPES[args.dtype],
         "device": str(device),
+        "dropout": args.dropout,
         "strategies": strategies,
         "repeat": args.repeat,
         "seed": args.seed,
@@ -216,6 +222,7 @@ def _describe(config: Mapping[str, Any]) -> str:
     return (
         f"{config['model']}: {config['layers']} layers, width {config['width']}, batch "
         f"{config['batch']}, seq-len {config['seq_len']}, {dtype}, {config['device']}"
+        + (f", dropout {config['dropout']}" if config.get("dropout") else "")
     )
 
 

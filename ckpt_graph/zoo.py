@@ -282,6 +282,8 @@ def build_workload(
     batch = d.batch if batch is None else batch
     seq_len = d.seq_len if seq_len is None else seq_len
     _check_sizes(layers, width, batch, seq_len)
+    if not 0.0 <= dropout < 1.0:
+        raise WorkloadError(f"--dropout must be in [0, 1), got {dropout}")
     sizes = {"layers": layers, "width": width, "batch": batch, "seq_len": seq_len}
     gen = torch.Generator().manual_seed(seed + 1)
     torch.manual_seed(seed)

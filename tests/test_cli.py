@@ -76,6 +76,7 @@ BAD_INPUTS = [
     (["compare", "--width", "100000000"], "lower --layers/--width/--batch/--seq-len"),
     (["compare", "--repeat", "0"], "--repeat must be at least 1, got 0"),
     (["compare", "--threads", "0"], "--threads must be at least 1, got 0"),
+    (["compare", "--dropout", "1.5"], "--dropout must be in [0, 1), got 1.5"),
     (["compare", "--dtype", "float8"], "unknown dtype 'float8'"),
     (["compare", "--device", "meta"], "unsupported device 'meta'"),
     (["compare", "--device", "banana"], "unknown device 'banana'"),
@@ -137,6 +138,7 @@ def test_json_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         "seq_len": 8,
         "dtype": "float32",
         "device": "cpu",
+        "dropout": 0.0,
         "strategies": ["none", "torch-ckpt", "cg-block"],
         "repeat": 1,
         "seed": 0,
@@ -159,10 +161,22 @@ def test_json_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert ckpt["extra_flops"] > 0 and block["extra_flops"] > 0
 
 
-@pytest.mark.parametrize("model", ["gpt", "mlp", "cnn"])
-def test_every_strategy_exact_gradients(model: str) -> None:
+@pytest.mark.parametrize(
+    ("model", "dropout"), [("gpt", 0.0), ("gpt", 0.1), ("mlp", 0.0), ("cnn", 0.0)]
+)
+def test_every_strategy_exact_gradients(model: str, dropout: float) -> None:
+    # With dropout, recompute must replay the forward's masks (torch preserves RNG state per
+    # region; ckpt_graph replays each random op's generator state).
     results = run_comparison(
-        model, layers=4, width=16, batch=2, seq_len=8, repeat=1, count_ops=False, threads=1
+        model,
+        layers=4,
+        width=16,
+        batch=2,
+        seq_len=8,
+        dropout=dropout,
+        repeat=1,
+        count_ops=False,
+        threads=1,
     )
     assert [r.strategy for r in results] == list(STRATEGIES)
     for r in results:
