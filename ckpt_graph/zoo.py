@@ -348,15 +348,17 @@ def _build_hf(
     gen: torch.Generator,
 ) -> Workload:
     try:
-        import transformers
+        import transformers as _transformers
     except ImportError:
         raise WorkloadError(
             f"--model {name} needs the 'transformers' package (pip install transformers); "
             "the embedded models gpt, mlp and cnn need nothing"
         ) from None
     layers, width, batch, seq_len = (sizes[k] for k in ("layers", "width", "batch", "seq_len"))
+    transformers: Any = _transformers  # its stubs vary by version; only public names are used
     heads = _heads(width)
     vocab = 2048
+    cfg: Any
     model: nn.Module
     if name == "hf-gpt2":
         cfg = transformers.GPT2Config(
