@@ -1,0 +1,249 @@
+"""The memory-budget solver: which op outputs to keep so backward fits a budget.
+
+# Note [Memory budget planning]
+# Problem: given a region's graph (``_liveness.SimGraph``), candidate ops and a budget in
+# bytes, choose the set K of candidate ops whose outputs are kept so that the simulated
+# activation peak of backward (see Note [Backward liveness model]) stays within the budget
+# and the recompute cost (summed cost of the ops backward must run) is least. Both sides are
+# non-additive: the cost of dropping an op depends on which of its ancestors are kept (chains
+# are recomputed from the nearest kept values), and the peak depends on the order autograd
+# unpacks and on the intermediates cached in between; exact formulations (Checkmate's ILP)
+# are far too slow for a policy that plans at region exit. The solver is therefore a greedy
+# descent verified by the simulator, followed by local search:
+#   1. Start from "keep every candidate" (no recompute). If that fits, only drop kept ops
+#      that cost nothing to recompute (no saved value needs them through a chain).
+#   2. Greedy descent: repeatedly drop the kept op with the lowest marginal recompute cost
+#      per byte freed (cost from the exact run-set sweep of the simulator, bytes from the
+#      storages no other kept value shares). Marginal costs only grow as more is dropped,
+#      so a lazy priority queue re-evaluates just the head (lazy greedy). After each drop
+#      the simulator checks the peak; the descent stops at the first plan that fits.
+#   3. Local search on the simulator: drop kept ops whose recompute costs nothing; then for
+#      each dropped op (most expensive first) keep it again and *repair*: drop the cheapest
+#      kept ops (cost per byte) until the plan fits again; accept the move when the repaired
+#      plan is cheaper (this covers 1-for-1 and 1-for-k swaps). Repeat until no move helps or
+#      the evaluation limit (``max_evals`` simulations) is reached. Small graphs (<= 24
+#      candidates) also try keeping two dropped ops at once, and small graphs start the
+#      search twice: from the greedy descent and from a simulator-guided descent (each drop
+#      chosen by simulating every choice); the cheaper local optimum wins.
+#   4. If no plan fits (the budget is below what recompute can reach: inputs of every
+#      backward step must exist at once), the plan with the lowest simulated peak is returned
+#      with ``feasible=False`` and the caller warns.
+# ``brute_force`` enumerates every subset (reference for tests on graphs of <= 18 candidates).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from .._liveness import SimGraph, SimResult, simulate
+
+__all__ = ["Solution", "brute_force", "candidate_ops", "solve"]
+
+# Up to this many kept ops, repairs pick each drop by simulating every choice.
+_SIM_GUIDED = 48
+# Up to this many candidates, local search also tries keeping two dropped ops at once.
+_PAIRS = 24
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A plan: the kept candidate ops and what the simulator predicts for them."""
+
+    kept_ops: frozenset[int]
+    result: SimResult
+    feasible: bool
+
+
+def candidate_ops(g: SimGraph, ops: Iterable[int] | None = None) -> list[int]:
+    """Ops worth deciding: they have a non-fixed, non-view output that backward may need."""
+    values = g.values
+    needed = [False] * len(values)
+    for _, v in g.saved:
+        needed[v] = True
+    for j in range(len(g.ops) - 1, -1, -1):
+        op = g.ops[j]
+        if any(needed[o] for o in op.outputs):
+            for i in op.inputs:
+                needed[i] = True
+    pool = range(len(g.ops)) if ops is None else ops
+    out = []
+    for j in pool:
+        outs = g.ops[j].outputs
+        if any(needed[o] and values[o].storage == o and o not in g.fixed for o in outs):
+            out.append(j)
+    return out
+
+
+def _run_cost(g: SimGraph, kept: Sequence[bool]) -> int:
+    """Recompute cost of a plan given per-value kept flags (the simulator's run sweep)."""
+    pending = [0] * len(g.values)
+    for _, v in g.saved:
+        if not kept[v]:
+            pending[v] += 1
+    cost = 0
+    for j in range(len(g.ops) - 1, -1, -1):
+        op = g.ops[j]
+        for o in op.outputs:
+            if not kept[o] and pending[o] > 0:
+                cost += op.cost
+                for i in op.inputs:
+                    if not kept[i]:
+                        pending[i] += 1
+                break
+    return cost
+
+
+def _flags(g: SimGraph, kept_ops: Iterable[int]) -> list[bool]:
+    kept = [v.producer < 0 for v in g.values]
+    for v in g.fixed:
+        kept[v] = True
+    for o in kept_ops:
+        for v in g.ops[o].outputs:
+            kept[v] = True
+    return kept
+
+
+def _own_bytes(g: SimGraph, op: int) -> int:
+    return sum(g.values[o].nbytes for o in g.ops[op].outputs if g.values[o].storage == o)
+
+
+def solve(
+    g: SimGraph, candidates: Sequence[int], budget: int, *, max_evals: int = 4000
+) -> Solution:
+    """Plan the kept ops among ``candidates``. See Note [Memory budget planning].
+
+    Example:
+        >>> sol = solve(graph, candidate_ops(graph), budget=graph.saved_bytes() // 2)  # doctest: +SKIP
+        >>> sol.feasible, sol.result.recompute_cost  # doctest: +SKIP
+    """
+    search = _Search(g, budget, max_evals)
+    kept = set(candidates)
+    first = search.sim(kept)
+    if first.peak_bytes <= budget:
+        starts = [(first, kept)]
+    else:
+        starts = [search.descend(kept)]
+        if len(kept) <= _SIM_GUIDED:
+            starts.append(search.repair(kept, -1))
+    plans = [search.improve(candidates, r, k) for r, k in starts if r.peak_bytes <= budget]
+    if not plans:
+        r, k = min(starts, key=lambda t: t[0].peak_bytes)
+        return Solution(frozenset(k), r, False)
+    best, best_kept = min(plans, key=lambda t: (t[0].recompute_cost, t[0].peak_bytes))
+    return Solution(frozenset(best_kept), best, True)
+
+
+class _Search:
+    """Simulator-verified moves on plans, with an evaluation limit."""
+
+    def __init__(self, g: SimGraph, budget: int, max_evals: int) -> None:
+        self.g = g
+        self.budget = budget
+        self.max_evals = max_evals
+        self.evals = 0
+
+    def sim(self, kept: Iterable[int]) -> SimResult:
+        self.evals += 1
+        return simulate(self.g, kept)
+
+    @property
+    def spent(self) -> bool:
+        return self.evals >= self.max_evals
+
+    def marginal(self, op: int, kept: set[int]) -> float:
+        """Extra recompute cost per byte of dropping ``op`` from ``kept``."""
+        g = self.g
+        cost = _run_cost(g, _flags(g, kept - {op})) - _run_cost(g, _flags(g, kept))
+        return cost / max(_own_bytes(g, op), 1)
+
+    def descend(self, kept: set[int]) -> tuple[SimResult, set[int]]:
+        """Lazy greedy descent (step 2 of Note [Memory budget planning])."""
+        heap = [(self.marginal(op, kept), op) for op in kept]
+        heapq.heapify(heap)
+        r = lowest = self.sim(kept)
+        lowest_kept = set(kept)
+        while heap and r.peak_bytes > self.budget:
+            _, op = heapq.heappop(heap)
+            fresh = self.marginal(op, kept)
+            if heap and fresh > heap[0][0] + 1e-12:
+                heapq.heappush(heap, (fresh, op))
+                continue
+            kept = kept - {op}
+            r = self.sim(kept)
+            if r.peak_bytes < lowest.peak_bytes:
+                lowest, lowest_kept = r, kept
+        return (r, kept) if r.peak_bytes <= self.budget else (lowest, lowest_kept)
+
+    def repair(self, trial: set[int], added: int) -> tuple[SimResult, set[int]]:
+        """Drop kept ops until the plan fits: the cheapest per byte of peak it removes."""
+        r = self.sim(trial)
+        while r.peak_bytes > self.budget and not self.spent:
+            pool = trial - {added}
+            if not pool:
+                break
+            if len(pool) > _SIM_GUIDED:
+                op = min(pool, key=lambda o: self.marginal(o, trial))
+                trial = trial - {op}
+                r = self.sim(trial)
+                continue
+            trials = [(self.sim(trial - {o}), o) for o in sorted(pool)]
+            fits = [t for t in trials if t[0].peak_bytes <= self.budget]
+            if fits:
+                r, op = min(fits, key=lambda t: t[0].recompute_cost)
+            else:
+                r, op = min(
+                    trials,
+                    key=lambda t: (
+                        (t[0].recompute_cost - r.recompute_cost + 1)
+                        / max(r.peak_bytes - t[0].peak_bytes, 1e-3)
+                    ),
+                )
+            trial = trial - {op}
+        return r, trial
+
+    def improve(
+        self, candidates: Sequence[int], best: SimResult, kept: set[int]
+    ) -> tuple[SimResult, set[int]]:
+        """Local search from a feasible plan (step 3 of Note [Memory budget planning])."""
+        improved = True
+        while improved and not self.spent:
+            improved = False
+            for op in sorted(kept):  # free memory where it costs nothing
+                r = self.sim(kept - {op})
+                if r.recompute_cost <= best.recompute_cost and r.peak_bytes <= self.budget:
+                    kept, best = kept - {op}, r
+            dropped = sorted(set(candidates) - kept, key=lambda o: -self.g.ops[o].cost)
+            for op in dropped:
+                if self.spent:
+                    break
+                r, trial = self.repair(kept | {op}, op)
+                if r.peak_bytes <= self.budget and r.recompute_cost < best.recompute_cost:
+                    kept, best, improved = trial, r, True
+            if improved or len(candidates) > _PAIRS:
+                continue
+            dropped = sorted(set(candidates) - kept)
+            for a, b in itertools.combinations(dropped, 2):
+                if self.spent:
+                    break
+                r, trial = self.repair(kept | {a, b}, a)
+                if r.peak_bytes <= self.budget and r.recompute_cost < best.recompute_cost:
+                    kept, best, improved = trial, r, True
+                    break
+        return best, kept
+
+
+def brute_force(g: SimGraph, candidates: Sequence[int], budget: int) -> Solution | None:
+    """The cheapest plan that fits, by enumerating every subset (tests only: 2^n runs)."""
+    best: Solution | None = None
+    n = len(candidates)
+    for mask in range(1 << n):
+        kept = [candidates[i] for i in range(n) if mask >> i & 1]
+        r = simulate(g, kept)
+        if r.peak_bytes > budget:
+            continue
+        if best is None or r.recompute_cost < best.result.recompute_cost:
+            best = Solution(frozenset(kept), r, True)
+    return best
