@@ -230,13 +230,13 @@ class _InPlaceABN(torch.autograd.Function):
             if running_mean is not None and running_var is not None:
                 count = x.numel() // x.shape[1]
                 running_mean.mul_(1.0 - momentum).add_(mean, alpha=momentum)
-                unbiased = var * (count / (count - 1))
+                unbiased = var * (count / max(count - 1, 1))
                 running_var.mul_(1.0 - momentum).add_(unbiased, alpha=momentum)
             invstd = (var + eps).rsqrt()
         else:
             if running_mean is None or running_var is None:
                 raise ValueError("ckpt_graph: InPlaceABN in eval mode needs running stats")
-            mean = running_mean.detach().clone()
+            mean = running_mean
             invstd = (running_var + eps).rsqrt()
         scale = invstd if weight is None else invstd * weight
         shift = -mean * scale
