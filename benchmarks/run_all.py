@@ -87,7 +87,10 @@ def compare_markdown(doc: dict[str, Any], command: str) -> str:
         if r["note"]:
             notes.append(f"- {name}: {r['note']}")
         if r["max_buffer_diff"]:
-            notes.append(f"- {name}: buffers differ from `none` by {r['max_buffer_diff']:.3g}")
+            notes.append(
+                f"- {name}: buffers differ from `none` by up to {r['max_buffer_diff']:.3g} after "
+                "one step (BatchNorm running stats updated again during the recompute)"
+            )
     lines += ["", "Strategies:", ""]
     lines += [f"- `{k}`: {v}" for k, v in doc["strategies"].items()]
     if notes:

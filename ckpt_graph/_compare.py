@@ -479,12 +479,20 @@ def _run(
             fig.update(status="failed", note=f"{type(e).__name__}: {first}"[:300])
         if name not in forwards:
             done += (2 if count_ops else 1) + repeat
+    cuda = torch.device(device).type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
     times: dict[str, list[float]] = {n: [] for n in forwards}
     cpu: dict[str, list[float]] = {n: [] for n in forwards}
     for r in range(repeat):
         for name, forward in forwards.items():
+            sync()
             c0, t0 = time.process_time(), time.perf_counter()
             _step(w, forward)
+            sync()
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
             tick(f"{name}: timed step {r + 1}/{repeat}")
