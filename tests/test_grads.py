@@ -485,7 +485,7 @@ def test_cuda_graph_capture_of_a_full_step() -> None:
     # eager twin, starting from the state after capture (capture runs no kernels)
     ref = copy.deepcopy(model)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    opt_ref.load_state_dict(opt.state_dict())
+    opt_ref.load_state_dict(copy.deepcopy(opt.state_dict()))  # else momentum buffers alias
     for i in range(3):
         static_x.copy_(torch.randn(8, 16, device=dev))
         static_y.copy_(torch.randn(8, 4, device=dev))
