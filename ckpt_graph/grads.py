@@ -294,7 +294,8 @@ class FlatGrads:
 
         Pointers do not change, so it can run inside a captured CUDA graph. After it, the first
         gradient of each parameter is accumulated into zeros, or adopted if written with
-        :meth:`write_grad`.
+        :meth:`write_grad`. A ``.grad`` that was set to None or replaced is re-attached here
+        (no copy: the slice is zeroed like the others).
         """
         with torch.no_grad():
             for buf in self._buffers.values():
@@ -327,7 +328,7 @@ class FlatGrads:
 
         Returns a fresh view of ``param``'s slice and clears ``param.grad`` when autograd will
         adopt the result without a copy; otherwise None, and the caller computes out of place
-        (autograd then accumulates it: one extra read and write per element). The caller must
+        (autograd then adds it into ``.grad``: two reads and one write per element). The caller must
         overwrite the whole view (e.g. ``torch.mm(a, b, out=dst)``), return it as the
         gradient, and keep no other reference to it. See Note [Gradient adoption].
 
