@@ -251,16 +251,23 @@ class FlatGrads:
     def buffer(self, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
         """The flat 1-D buffer holding the gradients of the parameters on ``device``/``dtype``.
 
+        A device without an index (``"cuda"``) matches the only buffer of that device type.
+
         Example:
             >>> flat.buffer("cpu", torch.float32).shape  # doctest: +SKIP
         """
-        key = (torch.device(device), dtype)
-        if key not in self._buffers:
+        dev = torch.device(device)
+        found = [
+            buf
+            for (d, t), buf in self._buffers.items()
+            if t == dtype and d.type == dev.type and dev.index in (None, d.index)
+        ]
+        if len(found) != 1:
             raise ValueError(
-                f"FlatGrads has no buffer for {key[0]} / {dtype}; it has "
+                f"FlatGrads has {len(found) or 'no'} buffers for {dev} / {dtype}; it has "
                 f"{[(str(d), t) for d, t in self._buffers]}"
             )
-        return self._buffers[key]
+        return found[0]
 
     def buffers(self) -> dict[tuple[torch.device, torch.dtype], torch.Tensor]:
         """All buffers, keyed by (device, dtype)."""

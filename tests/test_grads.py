@@ -121,7 +121,8 @@ def test_one_buffer_per_dtype_and_dtype_check() -> None:
     assert frozen.grad is None and flat.parameters() == [a, b]
     with pytest.raises(TypeError, match=r"parameter 1 has dtype torch.float64, not torch.float32"):
         FlatGrads([a, b], dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"no buffer for cpu / torch\.float16"):
+    assert flat.buffer(CPU, torch.float64) is flat.buffer("cpu", torch.float64)
+    with pytest.raises(ValueError, match=r"has no buffers for cpu / torch\.float16"):
         flat.buffer("cpu", torch.float16)
     with pytest.raises(TypeError, match="got a single tensor"):
         FlatGrads(a)
@@ -466,6 +467,7 @@ def test_cuda_graph_capture_of_a_full_step() -> None:
     static_x = torch.randn(8, 16, device=dev)
     static_y = torch.randn(8, 4, device=dev)
     slots = {p: v.data_ptr() for p, v in flat.views().items()}
+    buf = flat.buffer("cuda", torch.float32)  # no index: the only CUDA buffer
 
     def step() -> None:
         flat.zero_()
@@ -495,6 +497,7 @@ def test_cuda_graph_capture_of_a_full_step() -> None:
         opt_ref.step()
         torch.cuda.synchronize()
         assert all(p.grad is not None and p.grad.data_ptr() == ptr for p, ptr in slots.items()), i
+        assert all(_storage(p.grad) == _storage(buf) for p in slots), i
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad)
             torch.testing.assert_close(p, q)
