@@ -335,9 +335,9 @@ class FlatGrads:
 
         Returns a fresh view of ``param``'s slice and clears ``param.grad`` when autograd will
         adopt the result without a copy; otherwise None, and the caller computes out of place
-        (autograd then adds it into ``.grad``: two reads and one write per element). The caller must
-        overwrite the whole view (e.g. ``torch.mm(a, b, out=dst)``), return it as the
-        gradient, and keep no other reference to it. See Note [Gradient adoption].
+        (autograd then adds it into ``.grad``: two reads and one write per element). The
+        caller must overwrite the whole view (e.g. ``torch.mm(a, b, out=dst)``), return it as
+        the gradient, and keep no other reference to it. See Note [Gradient adoption].
 
         Example:
             >>> dst = flat.grad_destination(weight)  # doctest: +SKIP
