@@ -266,7 +266,9 @@ def const_policy(answer: Any, name: str = "const") -> Callable[..., Any]:
 # ---------------------------------------------------------------------------------------------
 
 CALLS: Counter[str] = Counter()
-LIVE_OUTPUTS: list[weakref.ref[torch.Tensor]] = []
+# Weakrefs to the storages of every output the counting ops produced (forward and recompute):
+# a storage dies only when no tensor (or alias of it) uses it any more.
+LIVE_OUTPUTS: list[weakref.ref[Any]] = []
 FRAGILE = {"max_calls": 1}
 
 
@@ -275,7 +277,7 @@ def counted(x: torch.Tensor) -> torch.Tensor:
     """sin(x), counting calls; its backward needs its input."""
     CALLS["counted"] += 1
     out = x.sin()
-    LIVE_OUTPUTS.append(weakref.ref(out))
+    LIVE_OUTPUTS.append(weakref.ref(out.untyped_storage()))
     return out
 
 
@@ -301,7 +303,7 @@ def counted_exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x), counting calls; its backward needs its output."""
     CALLS["counted_exp"] += 1
     out = x.exp()
-    LIVE_OUTPUTS.append(weakref.ref(out))
+    LIVE_OUTPUTS.append(weakref.ref(out.untyped_storage()))
     return out
 
 
