@@ -1,0 +1,344 @@
+"""``summary`` and ``explain``: readable answers to "what is kept, and why?".
+
+See Note [Counting kept and recomputed bytes] in ``_analysis_core.py`` for how bytes are
+counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ._analysis_core import (
+    category,
+    describe,
+    fmt_bytes,
+    fmt_flops,
+    kept_roots,
+    recompute_chain,
+    storage_root,
+)
+
+if TYPE_CHECKING:
+    from .graph import Handle
+    from .region import Region
+
+__all__ = ["Explanation", "RegionSummary", "explain", "summary"]
+
+_CATEGORIES = ("policy", "tag", "engine", "snapshot")
+
+
+@dataclass(frozen=True)
+class RegionSummary:
+    """What a region keeps, what it recomputes and what that costs.
+
+    Attributes:
+        ops: op nodes recorded.
+        saved_tensors: tensors autograd saved in the region (each would be kept without
+            checkpointing).
+        saved_bytes: bytes of the distinct region values autograd saved: roughly what plain
+            autograd would keep (region inputs excluded).
+        input_bytes: bytes of the region inputs (parameters, arguments, buffers): always
+            kept, by reference, at no extra cost.
+        kept_bytes: bytes the region keeps, by reason: ``"policy"`` (a policy of the stack
+            answered a save decision, or none answered), ``"tag"`` (``tag_with_policy``),
+            ``"engine"`` (op outputs the engine keeps for correctness, e.g. in-place ops on
+            kept values) and ``"snapshot"`` (values the engine took as they were after an
+            in-place change through an alias; they may share memory allocated outside the
+            region). Region inputs are not included. Views count nothing of their own.
+        kept_by: kept bytes by who decided: policy name, ``"tag"``, an engine reason, or
+            ``"default"`` (no policy answered).
+        unused_kept_bytes: kept bytes that no saved tensor and no recomputation ever reads
+            (kept for nothing).
+        largest_kept: up to five ``(value, bytes, decided by)`` of the largest kept values.
+        recomputable_bytes: bytes of the recomputed values a full backward realizes: values
+            autograd saved that are not kept, and the recomputed values needed to recompute
+            them (storages counted once, views of kept values free).
+        recompute_ops: op nodes such a backward runs (each once).
+        recompute_flops: their estimated FLOPs (``torch.utils.flop_counter``; 0 if unknown).
+        rng_state_bytes: bytes of generator states held to replay random ops (0 once the
+            region has released its values).
+        backward_passes: backward passes that unpacked a recomputed value.
+        recomputed_ops_last_pass: ops recomputed in the last pass.
+        recomputed_ops_total: ops recomputed over all passes.
+        peak_cached_bytes: highest bytes of recomputed values cached at once in the last
+            pass, as the engine counts them (every cached handle, views included).
+
+    Example:
+        >>> s = region.summary()
+        >>> s.kept_bytes["policy"], s.recompute_flops  # doctest: +SKIP
+        (4096, 131072)
+    """
+
+    ops: int
+    saved_tensors: int
+    saved_bytes: int
+    input_bytes: int
+    kept_bytes: dict[str, int]
+    kept_by: dict[str, int]
+    unused_kept_bytes: int
+    largest_kept: tuple[tuple[str, int, str], ...]
+    recomputable_bytes: int
+    recompute_ops: int
+    recompute_flops: int
+    rng_state_bytes: int
+    backward_passes: int
+    recomputed_ops_last_pass: int
+    recomputed_ops_total: int
+    peak_cached_bytes: int
+
+    @property
+    def total_kept_bytes(self) -> int:
+        """Bytes kept for every reason (region inputs excluded)."""
+        return sum(self.kept_bytes.values())
+
+    def __str__(self) -> str:
+        rows: list[tuple[str, str]] = [
+            ("ops recorded", str(self.ops)),
+            ("tensors saved by autograd", f"{self.saved_tensors} ({fmt_bytes(self.saved_bytes)})"),
+            ("region inputs (kept by reference)", fmt_bytes(self.input_bytes)),
+            ("kept", fmt_bytes(self.total_kept_bytes)),
+        ]
+        rows += [(f"  by {k}", fmt_bytes(v)) for k, v in self.kept_bytes.items() if v]
+        rows += [(f"  decided by {k}", fmt_bytes(v)) for k, v in self.kept_by.items()]
+        if self.unused_kept_bytes:
+            rows.append(("  kept but never read", fmt_bytes(self.unused_kept_bytes)))
+        if self.rng_state_bytes:
+            rows.append(("RNG states held", fmt_bytes(self.rng_state_bytes)))
+        rows += [
+            ("recomputable", fmt_bytes(self.recomputable_bytes)),
+            ("recompute ops (one backward)", str(self.recompute_ops)),
+            ("recompute FLOPs (estimate)", fmt_flops(self.recompute_flops)),
+        ]
+        if self.backward_passes:
+            rows += [
+                ("backward passes", str(self.backward_passes)),
+                ("ops recomputed (last pass)", str(self.recomputed_ops_last_pass)),
+                ("ops recomputed (all passes)", str(self.recomputed_ops_total)),
+                ("peak cached recomputed bytes", fmt_bytes(self.peak_cached_bytes)),
+            ]
+        width = max(len(name) for name, _ in rows)
+        lines = ["RegionSummary"] + [f"  {name:<{width}}  {value}" for name, value in rows]
+        if self.largest_kept:
+            lines.append("  largest kept values:")
+            lines += [f"    {fmt_bytes(n):>10}  {v}  ({by})" for v, n, by in self.largest_kept]
+        return "\n".join(lines)
+
+
+def _who(region: Region, h: Handle) -> str:
+    if h.reason is not None and h.reason.startswith("engine"):
+        return h.reason
+    if h.reason == "tag":
+        return "tag"
+    if h.node_index < 0:
+        return "input"
+    return region.nodes[h.node_index].decided_by or "default"
+
+
+def summary(region: Region) -> RegionSummary:
+    """What ``region`` keeps, what it recomputes and what that costs.
+
+    Example:
+        >>> print(region.summary())  # doctest: +SKIP
+        RegionSummary
+          ops recorded                       18
+          ...
+    """
+    saved = {id(h): h for _, h in region.saved}
+    saved_roots: dict[int, Handle] = {}
+    for h in saved.values():
+        root = storage_root(region, h)
+        if root.node_index >= 0:
+            saved_roots[id(root)] = root
+    chain = recompute_chain(region, [h for h in saved.values() if not h.kept])
+    read = set(saved) | {id(h) for h in chain.sources}
+
+    kept = dict.fromkeys(_CATEGORIES, 0)
+    kept_by: dict[str, int] = {}
+    roots: dict[int, tuple[Handle, Handle]] = {}
+    used: set[int] = set()
+    for h, root in kept_roots(region):
+        if id(h) in read:
+            used.add(id(root))
+        if h.reason == "input" or id(root) in roots:
+            continue
+        if root is not h and root.node_index < 0:
+            continue  # a view of a region input: no memory of its own
+        roots[id(root)] = (h, root)
+        kept[category(h.reason, h)] += root.nbytes
+        who = _who(region, h)
+        kept_by[who] = kept_by.get(who, 0) + root.nbytes
+    largest = sorted(roots.values(), key=lambda p: -p[1].nbytes)[:5]
+    return RegionSummary(
+        ops=len(region.nodes),
+        saved_tensors=len(region.saved),
+        saved_bytes=sum(h.nbytes for h in saved_roots.values()),
+        input_bytes=sum(h.nbytes for h in region.inputs if h.reason == "input"),
+        kept_bytes=kept,
+        kept_by=dict(sorted(kept_by.items(), key=lambda kv: -kv[1])),
+        unused_kept_bytes=sum(r.nbytes for k, (_, r) in roots.items() if k not in used),
+        largest_kept=tuple((describe(region, h), r.nbytes, _who(region, h)) for h, r in largest),
+        recomputable_bytes=chain.nbytes,
+        recompute_ops=len(chain.nodes),
+        recompute_flops=chain.flops,
+        rng_state_bytes=sum(
+            n.rng[1].numel() * n.rng[1].element_size() for n in region.nodes if n.rng is not None
+        ),
+        backward_passes=region._pass.number,
+        recomputed_ops_last_pass=region._pass.recomputed_ops,
+        recomputed_ops_total=sum(n.realized for n in region.nodes),
+        peak_cached_bytes=region._pass.peak_cached_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why one value of a region is kept or recomputed, and what recomputing it costs.
+
+    Attributes:
+        value: readable name of the value (producer op, output index, module, shape).
+        op_index: index of the producing op node (-1 for a region input).
+        output_index: output index within the producer (input position for region inputs).
+        nbytes: bytes of the value.
+        kept: whether the region keeps it.
+        reason: the kept reason (``"input"``, ``"policy"``, ``"tag"``, ``"engine: ..."``)
+            or ``None`` when it is recomputed.
+        decision: the producer's resolved ``CheckpointPolicy`` name (``""`` for inputs).
+        decided_by: the policy's name, ``"tag"``, an engine reason, ``"input"`` or
+            ``"default"`` (no policy answered).
+        why: one or two sentences saying why.
+        saved_count: how many times autograd saved this value for backward.
+        consumers: how many recorded ops read it in the forward.
+        recompute_ops: ops that run to recompute it from the nearest kept values (for a kept
+            value: what it would cost if it were not kept).
+        recompute_flops: their estimated FLOPs.
+        recompute_bytes: bytes of the recomputed values on that chain (cached while needed).
+        chain: names of those ops, in forward order.
+        sources: the kept values the chain starts from.
+        realized: times its producer ran in backward passes.
+
+    Example:
+        >>> print(region.explain(h))  # doctest: +SKIP
+        output 0 of op #4 aten.addmm.default in blocks.0.0 [4x16 float64]: kept (policy)
+        ...
+    """
+
+    value: str
+    op_index: int
+    output_index: int
+    nbytes: int
+    kept: bool
+    reason: str | None
+    decision: str
+    decided_by: str
+    why: str
+    saved_count: int
+    consumers: int
+    recompute_ops: int
+    recompute_flops: int
+    recompute_bytes: int
+    chain: tuple[str, ...] = field(default=())
+    sources: tuple[str, ...] = field(default=())
+    realized: int = 0
+
+    def __str__(self) -> str:
+        state = f"kept ({self.reason})" if self.kept else "recomputed"
+        lines = [f"{self.value}: {state}, {fmt_bytes(self.nbytes)}", f"  why: {self.why}"]
+        lines.append(
+            f"  autograd saved it {self.saved_count} time(s); {self.consumers} recorded op(s) "
+            "read it"
+        )
+        if self.op_index >= 0:
+            cost = "recomputing it would cost" if self.kept else "recomputing it costs"
+            lines.append(
+                f"  {cost} {self.recompute_ops} op(s), {fmt_flops(self.recompute_flops)}, "
+                f"{fmt_bytes(self.recompute_bytes)} of recomputed values"
+            )
+            if self.chain:
+                shown = list(self.chain[:8]) + (["..."] if len(self.chain) > 8 else [])
+                lines.append(f"  chain: {' -> '.join(shown)}")
+            if self.sources:
+                more = f" and {len(self.sources) - 4} more" if len(self.sources) > 4 else ""
+                lines.append(f"  from kept values: {'; '.join(self.sources[:4])}{more}")
+            if self.realized:
+                lines.append(f"  its op ran {self.realized} time(s) in backward")
+        return "\n".join(lines)
+
+
+def _why(region: Region, h: Handle) -> str:
+    if h.node_index < 0:
+        if h.reason == "input":
+            return (
+                "a region input (parameter, argument or buffer from outside the region): "
+                "inputs are always kept, by reference"
+            )
+        return f"{h.reason}: the engine took the value as it was when an op read it"
+    node = region.nodes[h.node_index]
+    decision = getattr(node.decision, "name", str(node.decision))
+    by = node.decided_by
+    if h.reason is not None and h.reason.startswith("engine"):
+        return f"{h.reason}; the engine keeps it whatever the policies said ({decision})"
+    if h.reason == "tag":
+        return "tag_with_policy() on this value asked to keep it"
+    if by == "tag" and h.reason is None:
+        return "tag_with_policy() on this value asked to recompute it"
+    if not by:
+        return f"no policy answered for {node.info.name}: the default {decision} keeps it"
+    verb = "keeps" if h.kept else "recomputes"
+    # The engine's fast path for string-named policy stacks records the name "policy".
+    who = "the region's named policy" if by == "policy" else f"policy {by}"
+    return f"{who} answered {decision} for {node.info.name}, which {verb} it"
+
+
+def explain(region: Region, tensor: torch.Tensor) -> Explanation:
+    """Why ``tensor``'s value is kept or recomputed in ``region``, and what recomputing costs.
+
+    Raises:
+        TypeError: if ``tensor`` is not a tensor.
+        ValueError: if the region never saw ``tensor`` (not an input or output of a
+            recorded op), or it was freed or changed in place since.
+
+    Example:
+        >>> print(region.explain(h))  # doctest: +SKIP
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"explain() needs a torch.Tensor, got {type(tensor).__name__}")
+    h = region.lookup(tensor)
+    if h is None:
+        shape = "x".join(str(s) for s in tensor.shape) or "scalar"
+        raise ValueError(
+            f"ckpt_graph: explain(): this tensor [{shape} {tensor.dtype}] was never seen in the "
+            "region (no recorded op read or produced it); pass a tensor computed or used inside "
+            "the `with save_recompute_policy(...)` block"
+        )
+    saved_count = sum(1 for _, s in region.saved if s is h)
+    consumers = sum(1 for node in region.nodes if any(i is h for i in node.inputs))
+    if h.node_index < 0:
+        chain = recompute_chain(region, [])
+        decision, realized = "", 0
+    else:
+        chain = recompute_chain(region, [h], as_recomputed=h if h.kept else None)
+        node = region.nodes[h.node_index]
+        decision = getattr(node.decision, "name", str(node.decision))
+        realized = node.realized
+    return Explanation(
+        value=describe(region, h),
+        op_index=h.node_index,
+        output_index=h.index,
+        nbytes=h.nbytes,
+        kept=h.kept,
+        reason=h.reason,
+        decision=decision,
+        decided_by=_who(region, h),
+        why=_why(region, h),
+        saved_count=saved_count,
+        consumers=consumers,
+        recompute_ops=len(chain.nodes),
+        recompute_flops=chain.flops,
+        recompute_bytes=chain.nbytes,
+        chain=tuple(f"#{i} {region.nodes[i].info.name}" for i in chain.nodes),
+        sources=tuple(describe(region, s) for s in chain.sources),
+        realized=realized,
+    )
