@@ -51,7 +51,7 @@ def _check_activation(activation: str, activation_param: float) -> None:
 
 def _check_writable(x: torch.Tensor) -> None:
     """Raise if writing `x` in place would break autograd or another tensor sharing it."""
-    # See Note [In-place activated BatchNorm].
+    # See Note [In-place activated BatchNorm], rule 6.
     if torch._debug_has_internal_overlap(x) == 1:
         raise CkptGraphError(
             f"ckpt_graph: InPlaceABN cannot write its input of shape {tuple(x.shape)} and strides "
