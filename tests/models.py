@@ -324,6 +324,28 @@ def _counted_exp_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
 counted_exp.register_autograd(_counted_exp_backward, setup_context=_counted_exp_setup)
 
 
+@torch.library.custom_op("ckpt_graph_test::counted_pair", mutates_args=())
+def counted_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sin(x), cos(x)), counting calls; its backward needs its input only."""
+    CALLS["counted_pair"] += 1
+    s, c = x.sin(), x.cos()
+    LIVE_OUTPUTS.extend([weakref.ref(s.untyped_storage()), weakref.ref(c.untyped_storage())])
+    return s, c
+
+
+@counted_pair.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _counted_pair_backward(ctx: Any, gs: torch.Tensor, gc: torch.Tensor) -> torch.Tensor:
+    (x,) = ctx.saved_tensors
+    return gs * x.cos() - gc * x.sin()
+
+
+counted_pair.register_autograd(_counted_pair_backward, setup_context=_counted_setup)
+
+
 @torch.library.custom_op("ckpt_graph_test::fragile", mutates_args=())
 def fragile(x: torch.Tensor) -> torch.Tensor:
     """x * 3, failing once it has been called more than ``FRAGILE["max_calls"]`` times."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import CALLS, const_policy, counted, counted_exp, leaf
+from models import CALLS, LIVE_OUTPUTS, const_policy, counted, counted_exp, counted_pair, leaf
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -131,6 +131,26 @@ def test_long_chain_each_op_recomputed_once() -> None:
     assert CALLS["counted_exp"] == 10
     h.sum().backward()
     assert CALLS["counted_exp"] == 20
+
+
+def test_unneeded_output_of_recomputed_multi_output_op_dropped_at_once() -> None:
+    # counted_pair returns (sin, cos); only sin's value is needed in backward. When backward
+    # recomputes the pair, cos must be freed at once, not cached until the end of the pass.
+    x = leaf(3, 4)
+    seen: list[list[bool]] = []
+    with cg.save_recompute_policy("recompute_all"):
+        s, c = counted_pair(x * 2)
+        y = s.sin().sum() + c.sum()  # sin saves s; nothing saves c
+    s.register_hook(lambda g: seen.append([r() is not None for r in LIVE_OUTPUTS]))
+    del s, c
+    y.backward()
+    assert CALLS["counted_pair"] == 2
+    # LIVE_OUTPUTS: forward (s, c), then recompute (s, c); the hook ran right after sin's backward
+    assert len(seen) == 1 and len(seen[0]) == 4
+    assert seen[0][3] is False, "the unneeded output of the recomputed op is still alive"
+    expected = leaf(3, 4)
+    (lambda a, b: a.sin().sum() + b.sum())(*counted_pair(expected * 2)).backward()
+    torch.testing.assert_close(x.grad, expected.grad, rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------- policy stack
