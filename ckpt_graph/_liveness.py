@@ -21,8 +21,10 @@ builds one from a recorded region.
 #    with a pending use, drops the others at once, then releases one use of each recomputed
 #    input; a cached value is freed when its use count reaches zero. Every op runs at most
 #    once per pass, so the recompute cost of a plan is the cost of the ops marked to run.
-# 3. Memory is counted per *storage*: a view (and the new version an in-place op returns)
-#    shares the storage of its base, so keeping or caching a view keeps the whole base.
+# 3. Memory is counted per *storage*: a view shares the storage of its base, so keeping or
+#    caching a view keeps the whole base. The new version an in-place op returns gets a
+#    storage of its own: the engine copies a kept value before an in-place op changes it,
+#    and recompute runs the op on a copy unless it is the old version's only user.
 #    Storages of region inputs (parameters, the batch) are never counted: they live anyway.
 #    activation memory = kept storages + storages of cached or held recomputed values.
 # 4. Gradient buffers: the gradient of an op output (floating, not a view) is alive from the
@@ -54,7 +56,7 @@ class SimValue:
     Attributes:
         nbytes: bytes of the value's storage if it owns it (ignored for views).
         producer: index of the producing op, -1 for a region input.
-        storage: id of the value owning the storage (itself unless a view or in-place result).
+        storage: id of the value owning the storage (itself unless a view).
     """
 
     nbytes: int
@@ -281,45 +283,43 @@ def from_region(
     values: list[SimValue] = []
     fixed: set[int] = set()
     floating: list[bool] = []
-    for h in region.inputs:
-        vid[id(h)] = len(values)
-        values.append(SimValue(h.nbytes, -1, len(values)))
-        floating.append(h.dtype.is_floating_point)
+    for inp in region.inputs:
+        vid[id(inp)] = len(values)
+        values.append(SimValue(inp.nbytes, -1, len(values)))
+        floating.append(inp.dtype.is_floating_point)
     ops: list[SimOp] = []
     for node in region.nodes:
-        ins = tuple(vid[id(h)] for h in node.inputs if id(h) in vid)
+        ins = tuple(vid[id(i)] for i in node.inputs if id(i) in vid)
         outs: list[int] = []
         info = node.info
-        for j, h in enumerate(node.outputs):
-            if h is None:
+        for out in node.outputs:
+            if out is None:
                 continue
             v = len(values)
-            vid[id(h)] = v
+            vid[id(out)] = v
             root = v
-            if ins and (info.returns_written or (h.is_view and j in info.view_outputs)):
+            if ins and out.is_view and not info.returns_written:
                 root = values[ins[0]].storage
-            elif ins and h.is_view:
-                root = values[ins[0]].storage
-            values.append(SimValue(h.nbytes, node.index, root))
-            floating.append(h.dtype.is_floating_point and root == v)
+            values.append(SimValue(out.nbytes, node.index, root))
+            floating.append(out.dtype.is_floating_point and root == v)
             outs.append(v)
-            if h.kept and (node.index not in free or (h.reason or "").startswith("engine")):
+            if out.kept and (node.index not in free or (out.reason or "").startswith("engine")):
                 fixed.add(v)
         if costs is not None and node.index in costs:
             cost = costs[node.index]
         else:
-            cost = sum(h.shape.numel() for h in node.outputs if h is not None)
+            cost = sum(o.shape.numel() for o in node.outputs if o is not None)
         ops.append(SimOp(ins, tuple(outs), cost, info.name))
     saved: list[tuple[int, int]] = []
     last = 0
     n_ops = len(ops)
-    for n, h in region.saved:
-        v = vid.get(id(h))
-        if v is None:
+    for n, packed in region.saved:
+        sv = vid.get(id(packed))
+        if sv is None:
             continue
-        step = n if n < n_ops and v in ops[n].inputs else n - 1
+        step = n if n < n_ops and sv in ops[n].inputs else n - 1
         last = max(last, min(max(step, 0), n_ops - 1))
-        saved.append((last, v))
+        saved.append((last, sv))
     return SimGraph(
         tuple(values),
         tuple(ops),
