@@ -48,10 +48,10 @@ class RegionSummary:
             kept values) and ``"snapshot"`` (values the engine took as they were after an
             in-place change through an alias; they may share memory allocated outside the
             region). Region inputs are not included. Views count nothing of their own.
-        kept_by: kept bytes by who decided: policy name, ``"tag"``, an engine reason, or
-            ``"default"`` (no policy answered).
-        unused_kept_bytes: kept bytes that no saved tensor and no recomputation ever reads
-            (kept for nothing).
+        kept_by: kept bytes of op outputs by who decided: policy name, ``"tag"``, an engine
+            reason, or ``"default"`` (no policy answered). Snapshots are not included.
+        unused_kept_bytes: bytes of kept op outputs that no saved tensor and no
+            recomputation ever reads (kept for nothing).
         largest_kept: up to five ``(value, bytes, decided by)`` of the largest kept values.
         recomputable_bytes: bytes of the recomputed values a full backward realizes: values
             autograd saved that are not kept, and the recomputed values needed to recompute
@@ -91,20 +91,26 @@ class RegionSummary:
 
     @property
     def total_kept_bytes(self) -> int:
-        """Bytes kept for every reason (region inputs excluded)."""
-        return sum(self.kept_bytes.values())
+        """Bytes of op outputs kept by policies, tags and the engine (snapshots excluded)."""
+        return sum(v for k, v in self.kept_bytes.items() if k != "snapshot")
 
     def __str__(self) -> str:
         rows: list[tuple[str, str]] = [
             ("ops recorded", str(self.ops)),
             ("tensors saved by autograd", f"{self.saved_tensors} ({fmt_bytes(self.saved_bytes)})"),
             ("region inputs (kept by reference)", fmt_bytes(self.input_bytes)),
-            ("kept", fmt_bytes(self.total_kept_bytes)),
+            ("kept op outputs", fmt_bytes(self.total_kept_bytes)),
         ]
-        rows += [(f"  by {k}", fmt_bytes(v)) for k, v in self.kept_bytes.items() if v]
+        rows += [
+            (f"  by {k}", fmt_bytes(v)) for k, v in self.kept_bytes.items() if v and k != "snapshot"
+        ]
         rows += [(f"  decided by {k}", fmt_bytes(v)) for k, v in self.kept_by.items()]
         if self.unused_kept_bytes:
             rows.append(("  kept but never read", fmt_bytes(self.unused_kept_bytes)))
+        if self.kept_bytes.get("snapshot"):
+            rows.append(
+                ("engine snapshots (may alias inputs)", fmt_bytes(self.kept_bytes["snapshot"]))
+            )
         if self.rng_state_bytes:
             rows.append(("RNG states held", fmt_bytes(self.rng_state_bytes)))
         rows += [
@@ -167,10 +173,13 @@ def summary(region: Region) -> RegionSummary:
         if root is not h and root.node_index < 0:
             continue  # a view of a region input: no memory of its own
         roots[id(root)] = (h, root)
-        kept[category(h.reason, h)] += root.nbytes
-        who = _who(region, h)
-        kept_by[who] = kept_by.get(who, 0) + root.nbytes
-    largest = sorted(roots.values(), key=lambda p: -p[1].nbytes)[:5]
+        kind = category(h.reason, h)
+        kept[kind] += root.nbytes
+        if kind != "snapshot":
+            who = _who(region, h)
+            kept_by[who] = kept_by.get(who, 0) + root.nbytes
+    own = {k: p for k, p in roots.items() if category(p[0].reason, p[0]) != "snapshot"}
+    largest = sorted(own.values(), key=lambda p: -p[1].nbytes)[:5]
     return RegionSummary(
         ops=len(region.nodes),
         saved_tensors=len(region.saved),
@@ -178,7 +187,7 @@ def summary(region: Region) -> RegionSummary:
         input_bytes=sum(h.nbytes for h in region.inputs if h.reason == "input"),
         kept_bytes=kept,
         kept_by=dict(sorted(kept_by.items(), key=lambda kv: -kv[1])),
-        unused_kept_bytes=sum(r.nbytes for k, (_, r) in roots.items() if k not in used),
+        unused_kept_bytes=sum(r.nbytes for k, (_, r) in own.items() if k not in used),
         largest_kept=tuple((describe(region, h), r.nbytes, _who(region, h)) for h, r in largest),
         recomputable_bytes=chain.nbytes,
         recompute_ops=len(chain.nodes),
@@ -210,6 +219,8 @@ class Explanation:
             ``"default"`` (no policy answered).
         why: one or two sentences saying why.
         saved_count: how many times autograd saved this value for backward.
+        saved_aliases: how many times autograd saved another value sharing its storage (a
+            view of it, or an in-place version): those keep or recompute it too.
         consumers: how many recorded ops read it in the forward.
         recompute_ops: ops that run to recompute it from the nearest kept values (for a kept
             value: what it would cost if it were not kept).
@@ -235,6 +246,7 @@ class Explanation:
     decided_by: str
     why: str
     saved_count: int
+    saved_aliases: int
     consumers: int
     recompute_ops: int
     recompute_flops: int
@@ -246,9 +258,10 @@ class Explanation:
     def __str__(self) -> str:
         state = f"kept ({self.reason})" if self.kept else "recomputed"
         lines = [f"{self.value}: {state}, {fmt_bytes(self.nbytes)}", f"  why: {self.why}"]
+        aliases = f" (views or versions of it: {self.saved_aliases})" if self.saved_aliases else ""
         lines.append(
-            f"  autograd saved it {self.saved_count} time(s); {self.consumers} recorded op(s) "
-            "read it"
+            f"  autograd saved it {self.saved_count} time(s){aliases}; {self.consumers} "
+            "recorded op(s) read it"
         )
         if self.op_index >= 0:
             cost = "recomputing it would cost" if self.kept else "recomputing it costs"
@@ -314,6 +327,10 @@ def explain(region: Region, tensor: torch.Tensor) -> Explanation:
             "the `with save_recompute_policy(...)` block"
         )
     saved_count = sum(1 for _, s in region.saved if s is h)
+    root = storage_root(region, h)
+    saved_aliases = sum(
+        1 for _, s in region.saved if s is not h and storage_root(region, s) is root
+    )
     consumers = sum(1 for node in region.nodes if any(i is h for i in node.inputs))
     if h.node_index < 0:
         chain = recompute_chain(region, [])
@@ -334,6 +351,7 @@ def explain(region: Region, tensor: torch.Tensor) -> Explanation:
         decided_by=_who(region, h),
         why=_why(region, h),
         saved_count=saved_count,
+        saved_aliases=saved_aliases,
         consumers=consumers,
         recompute_ops=len(chain.nodes),
         recompute_flops=chain.flops,

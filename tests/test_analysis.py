@@ -446,3 +446,19 @@ def test_debug_on_the_zoo_matches_eager(name: str) -> None:
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_snapshot_after_a_write_through_a_view() -> None:
+    x = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
+    with cg.save_recompute_policy("recompute_all") as region:
+        h = x * 2
+        h[0:2].mul_(3)  # changes h through an alias
+        y = h.sin()  # the engine takes h as it is now
+    s = region.summary()
+    assert s.kept_bytes["snapshot"] == h.nbytes
+    assert s.total_kept_bytes == 0 and s.kept_by == {}
+    e = region.explain(h)
+    assert (e.kept, e.op_index, e.decided_by) == (True, -1, e.reason)
+    assert e.reason is not None and e.reason.startswith("engine: ") and e.reason in e.why
+    assert "engine snapshots" in str(s)
+    del y
