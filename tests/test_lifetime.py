@@ -20,6 +20,7 @@ import pytest
 import torch
 from models import CALLS, LIVE_OUTPUTS, counted, counted_exp, leaf, make_model, run, save_matmuls
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 import ckpt_graph as cg
 
@@ -317,3 +318,38 @@ def test_module_state_not_global() -> None:
         b = counted_exp(lin(x) * 2)
     (a.sum() + b.sum()).backward()
     assert CALLS["counted_exp"] == 3  # only b's op recomputed
+
+
+def _module_state_refs(targets: list[Any]) -> list[str]:
+    """Names of ckpt_graph module globals that hold (directly or one container deep) a target."""
+    import sys
+
+    ids = {id(t) for t in targets}
+    found = []
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("ckpt_graph") or mod is None:
+            continue
+        for attr, value in list(vars(mod).items()):
+            items: list[Any] = [value]
+            if isinstance(value, dict):
+                items += list(value.keys()) + list(value.values())
+            elif isinstance(value, (list, tuple, set, frozenset)):
+                items += list(value)
+            if any(id(i) in ids or isinstance(i, torch.Tensor) for i in items):
+                found.append(f"{name}.{attr}")
+    return found
+
+
+def test_no_module_level_state_holds_regions_tensors_or_policies() -> None:
+    def my_policy(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    x = leaf(3, 4)
+    with cg.save_recompute_policy(my_policy) as region:
+        h = x.sin()
+        y = (h * x).exp().sum()
+        inside = _module_state_refs([region, my_policy, x, h])
+    after_forward = _module_state_refs([region, my_policy, x, h])
+    y.backward()
+    after_backward = _module_state_refs([region, my_policy, x, h])
+    assert inside == after_forward == after_backward == []

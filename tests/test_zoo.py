@@ -46,6 +46,18 @@ def test_zoo_matches_eager(name: str, config: str) -> None:
     assert len(ref.grads) > 3 and all(g is not None for g in ref.grads[1:])
 
 
+@pytest.mark.parametrize("config", ["recompute_all", "save_matmuls", "tags_nested"])
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_float32(name: str, config: str) -> None:
+    # CPU kernels are deterministic in float32 too: still bitwise.
+    outer, inner, tags = CONFIGS[config]
+    model, x = make_model(name, dtype=torch.float32)
+    ref = run(model, [x], None)
+    model.block_policy = dict(inner)
+    model.tag_blocks = tags
+    assert_same(ref, run(model, [x], outer))
+
+
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_two_steps_buffers_and_rng(name: str) -> None:
     # Two training steps in a row: BatchNorm stats and the RNG stream must stay in lockstep.
