@@ -18,6 +18,7 @@ from models import ZOO, assert_same, leaf, make_model, run, save_matmuls
 from torch.utils.checkpoint import CheckpointPolicy
 
 import ckpt_graph as cg
+from ckpt_graph import policies
 
 # name -> (outer policy, {block index: inner policy}, tag block outputs)
 CONFIGS: dict[str, tuple[Any, dict[int, Any], bool]] = {
@@ -30,6 +31,12 @@ CONFIGS: dict[str, tuple[Any, dict[int, Any], bool]] = {
     "nested_two_levels": (save_matmuls, {0: "recompute_all", 1: "must_save_all"}, False),
     "tags_recompute_all": ("recompute_all", {}, True),
     "tags_nested": ("recompute_all", {0: "must_save_all"}, True),
+    "builtin_save_matmuls": (policies.save_matmuls(), {}, False),
+    "builtin_nested": (
+        policies.save_matmuls(),
+        {1: policies.save_module_outputs(torch.nn.Linear)},
+        False,
+    ),
 }
 
 
