@@ -16,6 +16,7 @@ import gc
 import math
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -275,8 +276,21 @@ def make_forward(name: str, w: Workload) -> _Forward:
             with _patched_forwards(blocks, tag_wrap), cg.save_recompute_policy(policy=policy):
                 return model(*inputs)
 
+        _POLICIES[one_region] = policy
         return one_region
     raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+
+
+# The policy object behind a one-region forward, for its report (e.g. memory_budget's plan).
+_POLICIES: weakref.WeakKeyDictionary[Callable[[], object], object] = weakref.WeakKeyDictionary()
+
+
+def _policy_note(forward: _Forward) -> str:
+    report = getattr(_POLICIES.get(forward), "report", None)
+    if not callable(report):
+        return ""
+    summary = report()
+    return "" if summary is None else str(summary).splitlines()[0]
 
 
 def _step(w: Workload, forward: _Forward) -> None:
@@ -461,6 +475,8 @@ def _run(
                 ref.update(grads=grads, buffers=buffers)
             fig["max_grad_diff"] = _max_diff(grads, ref["grads"])
             fig["max_buffer_diff"] = _max_diff(buffers, ref["buffers"])
+            if note := _policy_note(forward):
+                fig["note"] = note
             if count_ops:
                 w.model.load_state_dict(initial)
                 torch.manual_seed(seed)
