@@ -273,6 +273,26 @@ def _inplace_on_input_index(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (y * y).sum()
 
 
+def _old_version_needed_after_mutation(x: torch.Tensor) -> torch.Tensor:
+    # Backward needs y before mul_ (through a's recompute) and y after mul_ (cos saves it):
+    # replaying mul_ in place on the only copy of y would corrupt a's recompute.
+    y = x * 2
+    a = y + 1  # add saves nothing
+    b = a.sin()  # saves a, recomputed from y version 0
+    y.mul_(3)
+    c = y.cos()  # saves y version 1
+    return b * 2 + c
+
+
+def _old_version_of_input_needed(scope: Any, x: torch.Tensor) -> torch.Tensor:
+    h = x * 1.5  # non-leaf region input
+    with scope():
+        a = (h + 1).sin()  # sin saves h + 1 (version 0 of the input)
+        h.mul_(2)
+        c = h.tanh()  # tanh saves its result (from version 1)
+    return a + c
+
+
 INPLACE_CASES: dict[str, Case] = {
     "region_tensor_mul_": (lambda x: (lambda y: (y.mul_(3), y.sin())[1])(x * 2), [leaf(3, 4)]),
     "region_tensor_add_w": (
@@ -287,6 +307,7 @@ INPLACE_CASES: dict[str, Case] = {
     "view_alias": (_inplace_then_read_old_alias, [leaf(3, 4), leaf(3, 4, seed=2)]),
     "fill_clamp_": (_inplace_dropout_style, [leaf(3, 4)]),
     "index_add_": (_inplace_on_input_index, [leaf(4, 3), leaf(4, 3, seed=2)]),
+    "old_version_needed": (_old_version_needed_after_mutation, [leaf(3, 4)]),
 }
 
 
@@ -308,6 +329,11 @@ def test_inplace_on_nonleaf_region_input(policy: Any) -> None:
         return out, h
 
     check(fn, [leaf(3, 4), leaf(3, 4, seed=2)], policy, scoped=True)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["recompute_all", "must_save_all", "save_matmuls"])
+def test_old_version_of_region_input_needed(policy: Any) -> None:
+    check(_old_version_of_input_needed, [leaf(3, 4)], policy, scoped=True)
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=["recompute_all", "must_save_all", "save_matmuls"])
