@@ -300,8 +300,8 @@ class MemoryBudget:
             node = region.nodes[j]
             if answer is None or node.decided_by == "tag":
                 continue
-            kept = any(o is not None and o.kept for o in node.outputs)
-            if kept == answer:
+            is_kept = any(o is not None and o.kept for o in node.outputs)
+            if is_kept == answer:
                 free.append(j)
         g = from_region(region, run.costs, free)
         candidates = candidate_ops(g, free)
