@@ -697,15 +697,19 @@ def test_region_output_feeds_next_region(policy: Any) -> None:
 @pytest.mark.parametrize("policy", POLICIES, ids=["recompute_all", "must_save_all", "save_matmuls"])
 def test_checkpoint_function_form(policy: Any) -> None:
     def body(x: torch.Tensor, w: torch.Tensor, *, scale: float) -> torch.Tensor:
-        return (x.sin() * w * scale).exp()
+        return (F.dropout(x.sin(), 0.2) * w * scale).exp()
 
-    def fn(scope: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if policy_box:  # checkpointed run: the function form instead of the context manager
-            return cg.checkpoint(body, x, w, policy=policy, scale=0.5)
-        return body(x, w, scale=0.5)
+    def with_checkpoint(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return cg.checkpoint(body, x, w, policy=policy, scale=0.5)
 
-    policy_box: list[Any] = []
-    ref = run(fn, [leaf(3, 4), leaf(3, 4, seed=2)], None, scoped=True)
-    policy_box.append(policy)
-    got = run(fn, [leaf(3, 4), leaf(3, 4, seed=2)], None, scoped=True)
+    inputs = [leaf(3, 4), leaf(3, 4, seed=2)]
+    ref = run(lambda x, w: body(x, w, scale=0.5), inputs, None)
+    got = run(with_checkpoint, inputs, None)  # no outer region: checkpoint() opens its own
     assert_same(ref, got)
+
+    def region_seen_inside() -> Any:
+        with cg.save_recompute_policy() as region:
+            return region
+
+    with cg.save_recompute_policy("recompute_all") as outer:  # checkpoint() nests in an open one
+        assert cg.checkpoint(region_seen_inside, policy=policy) is outer
