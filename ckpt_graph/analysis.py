@@ -145,9 +145,10 @@ def to_networkx(region: Region) -> nx.DiGraph:
     Op nodes are keyed by their index, with the fields of :class:`OpRecord` as attributes
     (plus ``kind="op"``). Region inputs (parameters, arguments, engine snapshots) are
     source nodes keyed ``("input", i)``, with ``kind="input"``, ``shape``, ``dtype``,
-    ``nbytes`` and ``kept``. Each edge goes from the producer of a value to an op that
-    read it, with attributes ``output`` (index of the value among the producer's
-    outputs), ``nbytes`` (bytes of that value) and ``kept`` (its kept reason or ``None``).
+    ``nbytes`` and ``kept``. Each edge goes from the producer of values to an op that
+    read them, with attributes ``outputs`` (indices of those values among the producer's
+    outputs; usually one), ``nbytes`` (their total bytes) and ``kept`` (per value, its
+    kept reason or ``None``).
 
     Example:
         >>> g = region.to_networkx()
@@ -162,7 +163,14 @@ def to_networkx(region: Region) -> nx.DiGraph:
     for node in region.nodes:
         g.add_node(node.index, kind="op", **asdict(_record(node)))
         for h in node.inputs:
-            g.add_edge(_value_node(h), node.index, output=h.index, nbytes=h.nbytes, kept=h.reason)
+            src = _value_node(h)
+            if g.has_edge(src, node.index):  # several outputs of one producer (split -> cat)
+                edge = g.edges[src, node.index]
+                edge["outputs"] += (h.index,)
+                edge["nbytes"] += h.nbytes
+                edge["kept"] += (h.reason,)
+            else:
+                g.add_edge(src, node.index, outputs=(h.index,), nbytes=h.nbytes, kept=(h.reason,))
     return g
 
 
