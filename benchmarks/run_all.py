@@ -59,7 +59,7 @@ def compare_markdown(doc: dict[str, Any], command: str) -> str:
         "",
         f"Command: `{command}`. Model {c['model']}: {c['layers']} layers, width {c['width']}, "
         f"batch {c['batch']}, seq-len {c['seq_len']}, {c['dtype']}, {c['device']}, "
-        f"{c['threads']} torch threads; torch {m['torch']}, {m['cpu_count']} CPUs, {m['date']}. "
+        f"{c['threads'] or m['torch_threads']} torch threads; torch {m['torch']}, {m['cpu_count']} CPUs, {m['date']}. "
         f"One training step (forward + backward) each; time is the median of {c['repeat']} "
         "interleaved steps; ratios are against `none` in the same run (CPU = process CPU time, "
         f"steadier than wall time on a loaded machine). Load average: {_load(m)}.",

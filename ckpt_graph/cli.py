@@ -79,8 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated list (default: all); none is always run as the reference",
     )
     cmp.add_argument("--seed", type=int, default=0, help="seed for weights and batch")
+    # Note [One thread by default]
+    # Step times are compared as ratios measured side by side, so they must be steady rather
+    # than short. With several OpenMP threads on a machine that is also busy with other work,
+    # threads wait for each other and a step takes 3-10x longer with a large spread (measured
+    # here: the default run took 9 min with 2 threads at load 8, 53 s with one). One thread
+    # also makes the process CPU-time ratio an exact figure. `--threads 0` keeps torch's default.
     cmp.add_argument(
-        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1, steady timings; 0: torch's default)",
     )
     cmp.add_argument("--json", metavar="PATH", help="write all figures and machine info as JSON")
     cmp.add_argument("--plot", metavar="PATH.png", help="plot peak memory vs step time")
@@ -116,8 +125,8 @@ def _check_args(args: argparse.Namespace) -> dict[str, object]:
         raise UsageError(f"--repeat must be at least 1, got {args.repeat}")
     if not 0.0 <= args.dropout < 1.0:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be at least 1, got {args.threads}")
+    if args.threads < 0:
+        raise UsageError(f"--threads must be 0 (torch's default) or more, got {args.threads}")
     d = DEFAULTS[args.model]
     sizes = {
         "layers": d.layers if args.layers is None else args.layers,
@@ -148,7 +157,7 @@ def _check_args(args: argparse.Namespace) -> dict[str, object]:
         "repeat": args.repeat,
         "seed": args.seed,
         "count_ops": not args.no_count,
-        "threads": args.threads or torch.get_num_threads(),
+        "threads": args.threads or None,
     }
 
 
@@ -299,7 +308,8 @@ def format_table(
     load = info["load_average"]
     head = [
         f"ckpt-graph compare: {_describe(config)}",
-        f"torch {info['torch']}, {info['cpu_count']} CPUs, {config['threads']} threads, "
+        f"torch {info['torch']}, {info['cpu_count']} CPUs, "
+        f"{config['threads'] or torch.get_num_threads()} threads, "
         f"load {'?' if load is None else f'{load[0]:.1f}'}, {info['date']}; "
         f"one training step each, time = median of {config['repeat']}",
     ]

@@ -40,13 +40,14 @@ class ModelDefaults:
 
 
 # Note [Default workload size]
-# The default `compare` run (8 strategies, warm-up, measured step, counting step and 3 timed
-# steps each) must finish in under 60 s on 2 CPU cores in float32. A GPT step at these sizes
-# takes ~0.3 s without checkpointing, so the whole run stays around 20-30 s with room for the
-# recompute of the checkpointing strategies and a slower machine. Activations (batch x seq x
-# width x 8 layers) dominate the parameters so that checkpointing visibly changes peak memory.
+# The default `compare` run (8 strategies; per strategy a warm-up, a step under the memory
+# profiler, a step under the op counter and 3 timed steps) must finish in under 60 s on 2 CPU
+# cores in float32. At these sizes it takes ~20 s of CPU time with one thread (measured: 19 s
+# user for the whole command), which leaves room for a slower or shared machine (52 s wall at a
+# load average of 7 on 2 cores). Activations (batch x seq x width x 8 layers) outweigh the
+# parameters so that checkpointing visibly changes peak memory. See Note [One thread by default].
 DEFAULTS: dict[str, ModelDefaults] = {
-    "gpt": ModelDefaults(layers=8, width=256, batch=8, seq_len=128),
+    "gpt": ModelDefaults(layers=8, width=256, batch=4, seq_len=128),
     "mlp": ModelDefaults(layers=8, width=256, batch=512, seq_len=1),
     "cnn": ModelDefaults(layers=6, width=32, batch=16, seq_len=64),
     "hf-gpt2": ModelDefaults(layers=4, width=256, batch=4, seq_len=128),

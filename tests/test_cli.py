@@ -20,9 +20,7 @@ from ckpt_graph._compare import (
 )
 from ckpt_graph.zoo import MODELS, WorkloadError, build_workload
 
-# One thread: tiny ops on a loaded 2-core machine are much slower with two OpenMP threads.
 TINY = ["--layers", "2", "--width", "32", "--batch", "2", "--seq-len", "8", "--repeat", "1"]
-TINY += ["--threads", "1"]
 REPO = Path(__file__).resolve().parents[1]
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 HAVE_HF = importlib.util.find_spec("transformers") is not None
@@ -42,6 +40,8 @@ def test_parse_defaults_fill_model_sizes() -> None:
     assert config["device"] == "cpu"
     assert config["strategies"] == list(STRATEGIES)
     assert config["repeat"] == 3 and config["count_ops"] is True
+    assert config["threads"] == 1  # See Note [One thread by default]
+    assert _config(["compare", "--threads", "0"])["threads"] is None
 
 
 def test_parse_strategies_dtype_and_flags() -> None:
@@ -75,7 +75,7 @@ BAD_INPUTS = [
     (["compare", "--width", "x"], "argument --width: invalid int value: 'x'"),
     (["compare", "--width", "100000000"], "lower --layers/--width/--batch/--seq-len"),
     (["compare", "--repeat", "0"], "--repeat must be at least 1, got 0"),
-    (["compare", "--threads", "0"], "--threads must be at least 1, got 0"),
+    (["compare", "--threads", "-1"], "--threads must be 0 (torch's default) or more, got -1"),
     (["compare", "--dropout", "1.5"], "--dropout must be in [0, 1), got 1.5"),
     (["compare", "--dtype", "float8"], "unknown dtype 'float8'"),
     (["compare", "--device", "meta"], "unsupported device 'meta'"),
