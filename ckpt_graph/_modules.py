@@ -27,37 +27,42 @@ __all__ = ["ModuleStack", "install_hooks", "uninstall_hooks"]
 class ModuleStack:
     """The modules whose forward is running in one region, outermost first."""
 
-    __slots__ = ("_names", "_root", "_stack")
+    __slots__ = ("_names", "_paths", "_root", "_stack", "current_path")
 
     def __init__(self) -> None:
         self._stack: list[torch.nn.Module] = []
+        self._paths: list[str] = []
         self._root: torch.nn.Module | None = None
         self._names: dict[int, str] = {}
+        self.current_path = ""  # path() of the top of the stack, kept up to date
 
     def push(self, module: torch.nn.Module) -> None:
         if not self._stack and module is not self._root:
             self._root = module
             self._names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
         self._stack.append(module)
+        name = self._names.get(id(module))
+        self.current_path = name if name is not None else type(module).__name__
+        self._paths.append(self.current_path)
 
     def pop(self, module: torch.nn.Module) -> None:
         # A forward that raised may leave entries above ``module``: unwind to it.
         while self._stack:
+            self._paths.pop()
             if self._stack.pop() is module:
                 break
+        self.current_path = self._paths[-1] if self._paths else ""
 
     def current(self) -> torch.nn.Module | None:
         return self._stack[-1] if self._stack else None
 
     def path(self) -> str:
-        if not self._stack:
-            return ""
-        top = self._stack[-1]
-        name = self._names.get(id(top))
-        return name if name is not None else type(top).__name__
+        return self.current_path
 
     def clear(self) -> None:
         self._stack.clear()
+        self._paths.clear()
+        self.current_path = ""
         self._root = None
         self._names = {}
 

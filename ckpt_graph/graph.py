@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-__all__ = ["Handle", "OpInfo", "OpNode", "op_info"]
+__all__ = ["Handle", "OpInfo", "OpNode", "op_info", "version_of"]
 
 # Kept reasons (``Handle.reason``); ``None`` means recomputed.
 INPUT = "input"
@@ -37,6 +37,15 @@ TAG = "tag"
 MUTATED_ALIAS = "engine: value changed by an in-place op on an alias"
 INPLACE_ON_KEPT = "engine: in-place op on a kept value"
 CLONED_BEFORE_MUTATION = "engine: copy of a kept value taken before an in-place op"
+
+
+def version_of(t: torch.Tensor) -> int:
+    """``t._version``; 0 for inference tensors, which have no version counter (and cannot
+    be modified outside inference mode)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return 0
 
 
 class Handle:
@@ -88,14 +97,14 @@ class Handle:
     def __init__(self, t: torch.Tensor, node_index: int, index: int) -> None:
         self.node_index = node_index
         self.index = index
-        self.version = t._version
+        self.version = version_of(t)
         self.ref: weakref.ref[torch.Tensor] | None = weakref.ref(t)
         self.value: torch.Tensor | None = None
         self.reason: str | None = None
         self.offload_device: torch.device | None = None
         self.shape = t.shape
         self.dtype = t.dtype
-        self.nbytes = t.numel() * t.element_size()
+        self.nbytes: int = t.nbytes
         self.is_view = False
         self.has_views = False
         self.superseded = False

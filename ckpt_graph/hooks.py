@@ -38,8 +38,12 @@ class Packed:
         region._live_packs += 1
 
     def __del__(self) -> None:
-        self.handle.packs -= 1
-        self.region._pack_released()
+        try:
+            handle, region = self.handle, self.region
+        except AttributeError:  # made without __init__ (e.g. by a compiler's tracing)
+            return
+        handle.packs -= 1
+        region._pack_released()
 
     def __repr__(self) -> str:
         return f"Packed({self.handle!r})"
@@ -49,14 +53,21 @@ def pack_hook(region: Region, t: torch.Tensor) -> Any:
     """Pack a saved tensor as its handle (raw tensor for backward run inside the region)."""
     if not region._recording or torch._C._current_graph_task_id() != region._task:
         return t
+    if region._unsettled:
+        region._settle()
     h = region.handle_of(t)
     h.uses += 1
     region.saved.append((len(region.nodes), h))
     return Packed(region, h)
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def unpack_hook(packed: Any) -> torch.Tensor:
-    """Return the saved tensor: the kept value, or its recomputation."""
+    """Return the saved tensor: the kept value, or its recomputation.
+
+    Excluded from dynamo: under compiled autograd with a torch.compile backend the hook
+    is called from the compiled backward instead of being traced (see README, Integrations).
+    """
     if type(packed) is not Packed:
         return packed  # type: ignore[no-any-return]
     return unpack_value(packed.region, packed.handle)

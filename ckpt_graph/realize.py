@@ -41,6 +41,7 @@ import torch
 
 from ._debug import check_replay
 from ._errors import CkptGraphError
+from .graph import version_of
 
 if TYPE_CHECKING:
     from .graph import Handle, OpNode
@@ -98,8 +99,8 @@ def _check_version(region: Region, h: Handle) -> None:
     t = h.value if h.value is not None and h.offload_device is None else None
     if t is None and h.ref is not None:
         t = h.ref()
-    if t is not None and h.version != -1 and t._version != h.version:
-        raise _version_error(h, region, t._version)
+    if t is not None and h.version != -1 and version_of(t) != h.version:
+        raise _version_error(h, region, version_of(t))
 
 
 def _kept_value(region: Region, h: Handle) -> torch.Tensor:

@@ -21,9 +21,10 @@
 #      change it under them. A kept value the op overwrites with nobody else needing it is
 #      not copied; its new version is kept instead (``INPLACE_ON_KEPT``), which costs no
 #      memory since it is the same tensor.
-#   5. The new version of a tensor is only known after autograd bumps the version counter,
-#      which happens after this mode returns, so new versions start at -1 and adopt the
-#      tensor's version the next time it is seen.
+#   5. The version of an in-place op's output (bumped) and of a view op's output (shared
+#      with its base) is only set by autograd after this mode returns: those handles start
+#      at -1 and read the tensor's version when the region next sees anything
+#      (``Region._settle``), before any other op can change it.
 # Replaying a recorded write in backward follows the same rule from the other side: it runs
 # on the cached value itself only when that value is recomputed, not a view, has no views
 # and this op is its last pending user (dropout's ``empty_like -> bernoulli_ -> div_``);
@@ -51,8 +52,8 @@ _ONES_LIKE = torch.ops.aten.ones_like.default
 
 def _seed_gradient() -> bool:
     """Whether ``ones_like`` is autograd making the implicit seed gradient of a backward."""
-    frame: Any = sys._getframe(3)
-    for _ in range(4):
+    frame: Any = sys._getframe(2)
+    for _ in range(6):
         if frame is None:
             return False
         if frame.f_code.co_name == "_make_grads":
@@ -67,6 +68,13 @@ class Recorder(TorchDispatchMode):
     def __init__(self, region: Region) -> None:
         super().__init__()
         self.region = region
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps __torch_dispatch__ in torch._disable_dynamo by default, which costs
+        # several microseconds per op; the recorder is never traced by dynamo (a region in
+        # compiled code runs eagerly), so the wrapper buys nothing here.
+        return False
 
     def __torch_dispatch__(
         self,
@@ -85,6 +93,8 @@ class Recorder(TorchDispatchMode):
             or (func is _ONES_LIKE and _seed_gradient())
         ):
             return func(*args, **kwargs)
+        if region._unsettled:
+            region._settle()
         info = _OP_INFO.get(func) or op_info(func)
         region._op_name = info.name
         h_args, h_kwargs, inputs = region._scan(args, kwargs)

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from . import _modules, graph
 from ._debug import checksums
 from ._errors import CkptGraphError
-from .graph import Handle, OpInfo, OpNode
+from .graph import Handle, OpInfo, OpNode, version_of
 from .hooks import pack_hook, unpack_hook
 from .policies._core import POLICY_NAMES, PolicyContext, PolicyFn, normalize_policy, resolve
 from .policies._core import to_decision as _to_decision
@@ -80,7 +80,7 @@ class Region:
         self._constant: CheckpointPolicy | None = None
         self._ids: dict[int, Handle] = {}
         self._by_storage: dict[int, list[Handle]] | None = None
-        self._lazy: list[Handle] = []
+        self._unsettled: list[Handle] = []
         self._recording = False
         self._op_name = "tag_with_policy"
         self._open = False
@@ -121,11 +121,7 @@ class Region:
         self._exits = []
         _modules.uninstall_hooks()
         _tls.region = None
-        for h in self._lazy:
-            t = h.ref() if h.ref is not None else None
-            if h.version == -1 and t is not None:
-                h.version = t._version
-        self._lazy = []
+        self._settle()
         self._by_storage = None
         self._ctx = None
         self._modules.clear()
@@ -145,6 +141,23 @@ class Region:
                     o.cache = None
 
     # ----------------------------------------------------------------- handles
+    def _settle(self) -> None:
+        """Read the versions of the last op's in-place and view outputs.
+
+        Autograd bumps the version counter of a written tensor, and makes a view share its
+        base's counter, only after the recorder returns; nothing can run in between but
+        autograd's own bookkeeping, so the versions are read when the region next sees any
+        tensor (next op, saved tensor, tag, exit). See Note [Mutation and views], rule 5.
+        """
+        for h in self._unsettled:
+            t = h.ref() if h.ref is not None else None
+            if t is not None:
+                h.version = version_of(t)
+                if h.value is not None and h.offload_device is None:
+                    # A view got its base's version counter only now: alias it again.
+                    h.value = self._detached(t)
+        self._unsettled.clear()
+
     def lookup(self, t: torch.Tensor) -> Handle | None:
         """The handle of the value ``t`` held when last seen in the region, or ``None``."""
         h = self._ids.get(id(t))
@@ -156,10 +169,7 @@ class Region:
         """The handle of the value ``t`` holds now; a new kept input handle if unseen."""
         old = self._ids.get(id(t))
         if old is not None and old.ref is not None and old.ref() is t:
-            if old.version == t._version:
-                return old
-            if old.version == -1:
-                old.version = t._version
+            if old.version == version_of(t):
                 return old
             reason = graph.MUTATED_ALIAS
         else:
@@ -177,17 +187,31 @@ class Region:
     ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Handle, ...]]:
         """Replace tensors by handles in an op's arguments (flat scan, no pytree)."""
         inputs: list[Handle] = []
-        h_args = tuple(self._scan_one(a, inputs) for a in args)
-        h_kwargs = {k: self._scan_one(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
-        return h_args, h_kwargs, tuple(dict.fromkeys(inputs)) if len(inputs) > 1 else tuple(inputs)
+        h_args = list(args)
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                h_args[i] = h = self.handle_of(a)
+                inputs.append(h)
+            elif type(a) is list or type(a) is tuple:
+                h_args[i] = self._scan_list(a, inputs)
+        if kwargs:
+            kwargs = {k: self._scan_one(v, inputs) for k, v in kwargs.items()}
+        if len(inputs) > 1:
+            return tuple(h_args), kwargs, tuple(dict.fromkeys(inputs))
+        return tuple(h_args), kwargs, tuple(inputs)
+
+    def _scan_list(self, a: list[Any] | tuple[Any, ...], inputs: list[Handle]) -> Any:
+        if not any(isinstance(e, torch.Tensor) for e in a):
+            return a
+        return [self._scan_one(e, inputs) for e in a]
 
     def _scan_one(self, a: Any, inputs: list[Handle]) -> Any:
         if isinstance(a, torch.Tensor):
             h = self.handle_of(a)
             inputs.append(h)
             return h
-        if (type(a) is list or type(a) is tuple) and any(isinstance(e, torch.Tensor) for e in a):
-            return [self._scan_one(e, inputs) for e in a]
+        if type(a) is list or type(a) is tuple:
+            return self._scan_list(a, inputs)
         return a
 
     # ----------------------------------------------------------------- mutation
@@ -306,25 +330,32 @@ class Region:
         previous: Handle | None = None
         if info.writes:
             previous = self._mark_written(info, h_args, h_kwargs, args, kwargs)
-        handles: list[Handle | None] = []
         ids = self._ids
-        for j, o in enumerate(outs):
-            if not isinstance(o, torch.Tensor):
-                handles.append(None)
-                continue
-            h = Handle(o, index, j)
-            if info.returns_written:
-                h.version = -1
-                self._lazy.append(h)
-                if previous is not None:
-                    h.is_view, h.has_views = previous.is_view, previous.has_views
-            elif info.view_outputs:
-                h.is_view = True
-                if inputs:
-                    inputs[0].has_views = True
-            ids[id(o)] = h
-            handles.append(h)
-        node.outputs = tuple(handles)
+        if not is_tuple and not info.writes and not info.view_outputs:
+            h = Handle(out, index, 0)  # the common case: one fresh tensor
+            ids[id(out)] = h
+            node.outputs = (h,)
+        else:
+            handles: list[Handle | None] = []
+            for j, o in enumerate(outs):
+                if not isinstance(o, torch.Tensor):
+                    handles.append(None)
+                    continue
+                h = Handle(o, index, j)
+                if info.returns_written:
+                    h.version = -1
+                    self._unsettled.append(h)
+                    if previous is not None:
+                        h.is_view, h.has_views = previous.is_view, previous.has_views
+                elif info.view_outputs:
+                    h.version = -1
+                    self._unsettled.append(h)
+                    h.is_view = True
+                    if inputs:
+                        inputs[0].has_views = True
+                ids[id(o)] = h
+                handles.append(h)
+            node.outputs = tuple(handles)
         if self.debug:
             node.stack = "".join(traceback.format_stack(limit=14)[:-4])
             node.checksums = checksums(outs)
@@ -376,9 +407,11 @@ class Region:
                 ctx._clear()
         node.decision = decision
         node.decided_by = by
-        node.module_path = self._modules.path()
+        node.module_path = self._modules.current_path
         keep = decision in _KEEP
-        if node.info.is_random and node.rng is None:
+        if not keep and overwritten is None:
+            if not node.info.is_random or node.rng is not None:
+                return
             keep = True  # no generator replay for this device
         for o, h in zip(outs, node.outputs, strict=True):
             if h is None:
@@ -602,5 +635,6 @@ def tag_with_policy(tensor: torch.Tensor, policy: CheckpointPolicy | bool) -> to
             "ckpt_graph: tag_with_policy called outside a region; call it inside a "
             "`with ckpt_graph.save_recompute_policy(...)` block, on a tensor computed there"
         )
+    region._settle()
     region.tag(tensor, policy)
     return tensor
