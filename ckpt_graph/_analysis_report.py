@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Explanation", "RegionSummary", "explain", "summary"]
 
-_CATEGORIES = ("policy", "tag", "engine", "snapshot")
+_CATEGORIES = ("input", "policy", "tag", "engine", "snapshot")
 
 
 @dataclass(frozen=True)
@@ -40,14 +40,14 @@ class RegionSummary:
             checkpointing).
         saved_bytes: bytes of the distinct region values autograd saved: roughly what plain
             autograd would keep (region inputs excluded).
-        input_bytes: bytes of the region inputs (parameters, arguments, buffers): always
-            kept, by reference, at no extra cost.
-        kept_bytes: bytes the region keeps, by reason: ``"policy"`` (a policy of the stack
+        kept_bytes: bytes the region keeps, by reason: ``"input"`` (region inputs:
+            parameters, arguments, buffers; always kept, by reference, at no extra cost),
+            ``"policy"`` (a policy of the stack
             answered a save decision, or none answered), ``"tag"`` (``tag_with_policy``),
             ``"engine"`` (op outputs the engine keeps for correctness, e.g. in-place ops on
             kept values) and ``"snapshot"`` (values the engine took as they were after an
             in-place change through an alias; they may share memory allocated outside the
-            region). Region inputs are not included. Views count nothing of their own.
+            region). Views count nothing of their own.
         kept_by: kept bytes of op outputs by who decided: policy name, ``"tag"``, an engine
             reason, or ``"default"`` (no policy answered). Snapshots are not included.
         unused_kept_bytes: bytes of kept op outputs that no saved tensor and no
@@ -75,7 +75,6 @@ class RegionSummary:
     ops: int
     saved_tensors: int
     saved_bytes: int
-    input_bytes: int
     kept_bytes: dict[str, int]
     kept_by: dict[str, int]
     unused_kept_bytes: int
@@ -91,18 +90,20 @@ class RegionSummary:
 
     @property
     def total_kept_bytes(self) -> int:
-        """Bytes of op outputs kept by policies, tags and the engine (snapshots excluded)."""
-        return sum(v for k, v in self.kept_bytes.items() if k != "snapshot")
+        """Bytes of op outputs kept by policies, tags and the engine (not inputs, snapshots)."""
+        return sum(v for k, v in self.kept_bytes.items() if k not in ("input", "snapshot"))
 
     def __str__(self) -> str:
         rows: list[tuple[str, str]] = [
             ("ops recorded", str(self.ops)),
             ("tensors saved by autograd", f"{self.saved_tensors} ({fmt_bytes(self.saved_bytes)})"),
-            ("region inputs (kept by reference)", fmt_bytes(self.input_bytes)),
+            ("region inputs (kept by reference)", fmt_bytes(self.kept_bytes["input"])),
             ("kept op outputs", fmt_bytes(self.total_kept_bytes)),
         ]
         rows += [
-            (f"  by {k}", fmt_bytes(v)) for k, v in self.kept_bytes.items() if v and k != "snapshot"
+            (f"  by {k}", fmt_bytes(v))
+            for k, v in self.kept_bytes.items()
+            if v and k not in ("input", "snapshot")
         ]
         rows += [(f"  decided by {k}", fmt_bytes(v)) for k, v in self.kept_by.items()]
         if self.unused_kept_bytes:
@@ -168,7 +169,10 @@ def summary(region: Region) -> RegionSummary:
     for h, root in kept_roots(region):
         if id(h) in read:
             used.add(id(root))
-        if h.reason == "input" or id(root) in roots:
+        if h.reason == "input":
+            kept["input"] += h.nbytes
+            continue
+        if id(root) in roots:
             continue
         if root is not h and root.node_index < 0:
             continue  # a view of a region input: no memory of its own
@@ -184,7 +188,6 @@ def summary(region: Region) -> RegionSummary:
         ops=len(region.nodes),
         saved_tensors=len(region.saved),
         saved_bytes=sum(h.nbytes for h in saved_roots.values()),
-        input_bytes=sum(h.nbytes for h in region.inputs if h.reason == "input"),
         kept_bytes=kept,
         kept_by=dict(sorted(kept_by.items(), key=lambda kv: -kv[1])),
         unused_kept_bytes=sum(r.nbytes for k, (_, r) in own.items() if k not in used),
