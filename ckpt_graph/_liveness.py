@@ -270,7 +270,8 @@ def from_region(
 
     Args:
         region: a region whose forward has run (values may be released; metadata is used).
-        costs: recompute cost per op index; missing ops cost the elements of their outputs.
+        costs: recompute cost per op index; missing ops cost the elements of their outputs;
+            ops whose outputs are all views cost 0.
         free_ops: ops whose kept outputs are left to the plan (not fixed); outputs of every
             other op are fixed as the forward decided them.
 
@@ -305,7 +306,9 @@ def from_region(
             outs.append(v)
             if out.kept and (node.index not in free or (out.reason or "").startswith("engine")):
                 fixed.add(v)
-        if costs is not None and node.index in costs:
+        if all(o is None or o.is_view for o in node.outputs):
+            cost = 0  # views compute nothing
+        elif costs is not None and node.index in costs:
             cost = costs[node.index]
         else:
             cost = sum(o.shape.numel() for o in node.outputs if o is not None)
