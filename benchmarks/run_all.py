@@ -38,7 +38,14 @@ def machine_header() -> str:
     """Markdown lines naming the machine, library versions, load and date."""
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    try:
+        rev = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        rev = ""
     return (
+        f"Commit: {rev or '?'}. "
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"{platform.platform()}; Python {platform.python_version()}, torch {torch.__version__}"
         f"{', CUDA ' + str(torch.version.cuda) if torch.cuda.is_available() else ''}. "
