@@ -51,7 +51,11 @@ class RegionSummary:
         kept_by: kept bytes of op outputs by who decided: policy name, ``"tag"``, an engine
             reason, or ``"default"`` (no policy answered). Snapshots are not included.
         unused_kept_bytes: bytes of kept op outputs that no saved tensor and no
-            recomputation ever reads (kept for nothing).
+            recomputation ever reads (kept for nothing; the engine may release them when
+            the forward ends).
+        held_bytes: bytes of kept op outputs the region holds right now: what the kept
+            values occupy in memory at this point (the engine releases kept values when
+            no saved tensor or recomputation needs them any more; 0 after backward).
         largest_kept: up to five ``(value, bytes, decided by)`` of the largest kept values.
         recomputable_bytes: bytes of the recomputed values a full backward realizes: values
             autograd saved that are not kept, and the recomputed values needed to recompute
@@ -78,6 +82,7 @@ class RegionSummary:
     kept_bytes: dict[str, int]
     kept_by: dict[str, int]
     unused_kept_bytes: int
+    held_bytes: int
     largest_kept: tuple[tuple[str, int, str], ...]
     recomputable_bytes: int
     recompute_ops: int
@@ -108,6 +113,7 @@ class RegionSummary:
         rows += [(f"  decided by {k}", fmt_bytes(v)) for k, v in self.kept_by.items()]
         if self.unused_kept_bytes:
             rows.append(("  kept but never read", fmt_bytes(self.unused_kept_bytes)))
+        rows.append(("  held now", fmt_bytes(self.held_bytes)))
         if self.kept_bytes.get("snapshot"):
             rows.append(
                 ("engine snapshots (may alias inputs)", fmt_bytes(self.kept_bytes["snapshot"]))
@@ -166,9 +172,12 @@ def summary(region: Region) -> RegionSummary:
     kept_by: dict[str, int] = {}
     roots: dict[int, tuple[Handle, Handle]] = {}
     used: set[int] = set()
+    held: set[int] = set()
     for h, root in kept_roots(region):
         if id(h) in read:
             used.add(id(root))
+        if h.value is not None:
+            held.add(id(root))
         if h.reason == "input":
             kept["input"] += h.nbytes
             continue
@@ -191,6 +200,7 @@ def summary(region: Region) -> RegionSummary:
         kept_bytes=kept,
         kept_by=dict(sorted(kept_by.items(), key=lambda kv: -kv[1])),
         unused_kept_bytes=sum(r.nbytes for k, (_, r) in own.items() if k not in used),
+        held_bytes=sum(r.nbytes for k, (_, r) in own.items() if k in held),
         largest_kept=tuple((describe(region, h), r.nbytes, _who(region, h)) for h, r in largest),
         recomputable_bytes=chain.nbytes,
         recompute_ops=len(chain.nodes),
