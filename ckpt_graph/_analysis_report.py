@@ -242,6 +242,9 @@ class Explanation:
         chain: names of those ops, in forward order.
         sources: the kept values the chain starts from.
         realized: times its producer ran in backward passes.
+        needed: whether backward needs the value: autograd saved it (or a view or version
+            of it), or recomputing a saved value reads it. A kept value that is not needed
+            is wasted memory; a recomputed one that is not needed is never recomputed.
 
     Example:
         >>> print(region.explain(h))  # doctest: +SKIP
@@ -267,6 +270,7 @@ class Explanation:
     chain: tuple[str, ...] = field(default=())
     sources: tuple[str, ...] = field(default=())
     realized: int = 0
+    needed: bool = True
 
     def __str__(self) -> str:
         state = f"kept ({self.reason})" if self.kept else "recomputed"
@@ -276,8 +280,18 @@ class Explanation:
             f"  autograd saved it {self.saved_count} time(s){aliases}; {self.consumers} "
             "recorded op(s) read it"
         )
+        if not self.needed:
+            lines.append(
+                "  backward never reads it: keeping it wastes memory"
+                if self.kept
+                else "  backward never needs it: it is not recomputed"
+            )
         if self.op_index >= 0:
-            cost = "recomputing it would cost" if self.kept else "recomputing it costs"
+            cost = (
+                "recomputing it costs"
+                if self.needed and not self.kept
+                else "recomputing it would cost"
+            )
             lines.append(
                 f"  {cost} {self.recompute_ops} op(s), {fmt_flops(self.recompute_flops)}, "
                 f"{fmt_bytes(self.recompute_bytes)} of recomputed values"
@@ -345,6 +359,12 @@ def explain(region: Region, tensor: torch.Tensor) -> Explanation:
         1 for _, s in region.saved if s is not h and storage_root(region, s) is root
     )
     consumers = sum(1 for node in region.nodes if any(i is h for i in node.inputs))
+    full = recompute_chain(region, [s for _, s in region.saved if not s.kept])
+    needed = (
+        saved_count + saved_aliases > 0
+        or any(v is h for v in full.values)
+        or any(v is h for v in full.sources)
+    )
     if h.node_index < 0:
         chain = recompute_chain(region, [])
         decision, realized = "", 0
@@ -372,4 +392,5 @@ def explain(region: Region, tensor: torch.Tensor) -> Explanation:
         chain=tuple(f"#{i} {region.nodes[i].info.name}" for i in chain.nodes),
         sources=tuple(describe(region, s) for s in chain.sources),
         realized=realized,
+        needed=needed,
     )

@@ -304,6 +304,26 @@ def test_explain_kept_by_policy() -> None:
     )
     assert e.chain == ("#0 aten.mm.default",)
     assert "recomputing it would cost 1 op(s)" in str(e)
+    assert e.needed  # relu's recomputation reads it
+
+
+def test_explain_values_backward_never_reads() -> None:
+    x = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    with cg.save_recompute_policy(keep_exp) as region:
+        e = x.exp()  # kept; exp saves its output
+        s = e.sin()  # sin saves its input e
+        y = s.sum()  # nothing saves s, and sum's output is never needed
+    kept = region.explain(e)
+    assert kept.needed and kept.saved_count == 2
+    unused = region.explain(s)
+    assert (unused.kept, unused.needed, unused.saved_count) == (False, False, 0)
+    assert "backward never needs it: it is not recomputed" in str(unused)
+    with cg.save_recompute_policy("must_save_all") as region2:
+        t = x.exp().sum()
+    wasted = region2.explain(t)
+    assert (wasted.kept, wasted.needed) == (True, False)
+    assert "keeping it wastes memory" in str(wasted)
+    del y
 
 
 def test_explain_recomputed_chain_and_tag() -> None:
