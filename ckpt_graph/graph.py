@@ -68,6 +68,8 @@ class Handle:
             tensors of this value raise the version-counter error when unpacked.
         uses: number of op nodes and saved tensors of the forward that consumed it.
         packs: number of saved tensors (autograd packs) that refer to it.
+        live: after forward, saved tensors and runnable op nodes that may still need the
+            value (see Note [Releasing kept values]).
         pending: per backward pass, users that still need the value (see Note [Use counts
             and freeing]).
         cache: per backward pass, the recomputed value while ``pending > 0``.
@@ -80,6 +82,7 @@ class Handle:
         "has_views",
         "index",
         "is_view",
+        "live",
         "nbytes",
         "node_index",
         "offload_device",
@@ -110,6 +113,7 @@ class Handle:
         self.superseded = False
         self.uses = 0
         self.packs = 0
+        self.live = 0
         self.pending = 0
         self.cache: torch.Tensor | None = None
 
@@ -244,6 +248,7 @@ class OpNode:
         "info",
         "inputs",
         "kwargs",
+        "live",
         "module_path",
         "op",
         "out_is_tuple",
@@ -280,6 +285,7 @@ class OpNode:
         self.checksums: tuple[tuple[float, float, float] | None, ...] | None = None
         self.realized = 0
         self.pass_id = -1
+        self.live = False
 
     def __repr__(self) -> str:
         return f"OpNode(#{self.index} {self.info.name})"

@@ -43,7 +43,7 @@ class Packed:
         except AttributeError:  # made without __init__ (e.g. by a compiler's tracing)
             return
         handle.packs -= 1
-        region._pack_released()
+        region._pack_released(handle)
 
     def __repr__(self) -> str:
         return f"Packed({self.handle!r})"

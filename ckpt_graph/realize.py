@@ -26,6 +26,18 @@
 # the state the generator had, so recomputed values equal the forward's and the user's
 # random stream ends where it would have without checkpointing.
 #
+# Note [Releasing kept values]
+# A kept value is needed as long as a saved tensor refers to it, or a saved tensor of a
+# recomputed value whose recomputation would read it. When the region exits, every handle
+# gets ``live`` = its live saved tensors + the op nodes that take it as input and could
+# still have to run (one sweep from the last node back, as for the pass use counts). Kept
+# values with no live use are released at once. Afterwards, each saved tensor autograd
+# releases (after its backward node ran, or when the graph is dropped) takes one live use
+# of its handle; a recomputed handle that drops to zero makes its producer dead once all
+# its recomputed outputs are, which takes a use of each of the producer's inputs, and so
+# on; a kept handle that drops to zero is released. So a kept block input is freed right
+# after the last backward node that could need it, as autograd frees a saved tensor.
+#
 # Replay context: ``torch.no_grad()`` (unpacked values must be plain tensors; autograd
 # re-attaches them to the original graph, which also makes ``create_graph=True`` work),
 # autocast off (the recorded ops already carry the casts autocast made), nothing recorded.
@@ -144,6 +156,56 @@ def _release_use(state: PassState, h: Handle) -> None:
     if h.pending <= 0 and h.cache is not None:
         h.cache = None
         state.cached_bytes -= h.nbytes
+
+
+def count_live_uses(region: Region) -> None:
+    """Set ``Handle.live`` at region exit; release unneeded kept values.
+
+    See Note [Releasing kept values].
+    """
+    for node in reversed(region.nodes):
+        needed = False
+        for o in node.outputs:
+            if o is not None:
+                o.live += o.packs
+                if o.reason is None and o.live > 0:
+                    needed = True
+        node.live = needed
+        if needed:
+            for i in node.inputs:
+                i.live += 1
+    for h in region.inputs:
+        h.live += h.packs
+    for h in region.inputs:
+        if h.live == 0:
+            h.value = None
+    for node in region.nodes:
+        for o in node.outputs:
+            if o is not None and o.reason is not None and o.live == 0:
+                o.value = None
+
+
+def lose_use(region: Region, h: Handle) -> None:
+    """A saved tensor of ``h`` was released. See Note [Releasing kept values]."""
+    nodes = region.nodes
+    stack = [h]
+    while stack:
+        h = stack.pop()
+        h.live -= 1
+        if h.live > 0:
+            continue
+        if h.reason is not None:
+            h.value = None
+            continue
+        if h.node_index < 0:
+            continue
+        node = nodes[h.node_index]
+        if not node.live or any(
+            o is not None and o.reason is None and o.live > 0 for o in node.outputs
+        ):
+            continue
+        node.live = False
+        stack.extend(node.inputs)
 
 
 def begin_pass(region: Region, task: int) -> None:

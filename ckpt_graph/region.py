@@ -23,7 +23,7 @@ from .graph import Handle, OpInfo, OpNode, version_of
 from .hooks import pack_hook, unpack_hook
 from .policies._core import POLICY_NAMES, PolicyContext, PolicyFn, normalize_policy, resolve
 from .policies._core import to_decision as _to_decision
-from .realize import PassState, exact_copy
+from .realize import PassState, count_live_uses, exact_copy, lose_use
 from .record import Recorder
 
 __all__ = ["Region", "checkpoint", "current_region", "save_recompute_policy", "tag_with_policy"]
@@ -127,6 +127,8 @@ class Region:
         self._modules.clear()
         if self._live_packs == 0:
             self._release()
+        else:
+            count_live_uses(self)
 
     def _release(self) -> None:
         """Drop every tensor value the region holds (metadata stays for introspection)."""
@@ -509,10 +511,13 @@ class Region:
             h.drop()
 
     # ----------------------------------------------------------------- backward
-    def _pack_released(self) -> None:
+    def _pack_released(self, h: Handle) -> None:
         self._live_packs -= 1
-        if self._live_packs == 0 and self._closed:
-            self._release()
+        if self._closed:
+            if self._live_packs == 0:
+                self._release()
+            else:
+                lose_use(self, h)
 
     # ----------------------------------------------------------------- introspection
     # See ckpt_graph/analysis.py.
