@@ -174,7 +174,6 @@ def test_inference_tensor_saved_in_region_raises_like_eager(policy: Any) -> None
     torch.testing.assert_close(x2.grad, xe.grad, rtol=0, atol=0)
 
 
-@pytest.mark.xfail(reason="core bug #11, see notes", strict=True)
 @pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
 def test_inference_tensor_input_not_saved_by_autograd(policy: Any) -> None:
     # Eager accepts this (add saves nothing). The region must either give eager's gradients
