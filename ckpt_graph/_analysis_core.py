@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Chain",
     "category",
+    "decided_by",
     "describe",
     "fmt_bytes",
     "fmt_flops",
@@ -261,6 +262,17 @@ def recompute_chain(
         flops=sum(node_flops(nodes[i]) for i in order),
         nbytes=sum(keys.values()),
     )
+
+
+def decided_by(region: Region, h: Handle) -> str:
+    """Who decided to keep or recompute ``h``: policy name, "tag", engine reason, "input"."""
+    if h.reason is not None and h.reason.startswith("engine"):
+        return h.reason
+    if h.reason == "tag":
+        return "tag"
+    if h.node_index < 0:
+        return "input"
+    return region.nodes[h.node_index].decided_by or "default"
 
 
 def describe(region: Region, h: Handle) -> str:

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._analysis_core import category, fmt_bytes, node_flops
-from ._analysis_report import Explanation, RegionSummary, explain, summary
+from ._analysis_explain import Explanation, explain
+from ._analysis_report import RegionSummary, summary
 
 if TYPE_CHECKING:
     import networkx as nx
