@@ -89,16 +89,20 @@ def end_of_forward(model: Model, x: torch.Tensor, inner: Any) -> int:
     return report.end_bytes - y.nbytes
 
 
-def inspect(model: Model, x: torch.Tensor, inner: Any) -> tuple[Any, torch.Tensor]:
-    """The forward's region, and the GELU output of the first block (to explain it)."""
+def inspect(model: Model, x: torch.Tensor, inner: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The forward's region, the GELU output of the first block (to explain it), the output.
+
+    The output is returned so that the autograd graph, and what the region holds for it,
+    stays alive while we look at the region.
+    """
     gelu: list[torch.Tensor] = []
     hook = model.blocks[0].mlp[1].register_forward_hook(lambda m, i, o: gelu.append(o))
     try:
         with cg.save_recompute_policy(policies.save_matmuls()) as region:
-            model(x, inner)
+            y = model(x, inner)
     finally:
         hook.remove()
-    return region, gelu[0]
+    return region, gelu[0], y
 
 
 def main() -> None:
@@ -116,7 +120,7 @@ def main() -> None:
 
     print("== 2. region.summary() ==")
     kept = end_of_forward(model, x, keep_mlp)
-    region, gelu = inspect(model, x, keep_mlp)
+    region, gelu, _y = inspect(model, x, keep_mlp)
     print(region.summary())
     print(f"(measured at the end of the forward: {kept / MIB:.1f} MiB still allocated)\n")
 
@@ -125,7 +129,7 @@ def main() -> None:
 
     print("== 4. Fix the policy: answer only for matmuls ==")
     kept_fixed = end_of_forward(model, x, keep_mlp_matmuls)
-    region_fixed, gelu_fixed = inspect(model, x, keep_mlp_matmuls)
+    region_fixed, gelu_fixed, _y_fixed = inspect(model, x, keep_mlp_matmuls)
     peak_fixed = measure(step, model, x, keep_mlp_matmuls, []).peak_bytes
     print(region_fixed.summary())
     print()
