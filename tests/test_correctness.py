@@ -439,6 +439,46 @@ def test_tags_keep_gradients_exact(policy: Any, target: str) -> None:
     assert_same(ref, got)
 
 
+def _set_data(x: torch.Tensor) -> torch.Tensor:
+    h = x * 2
+    h.data = h.data * 3  # swaps h's storage behind autograd's back (no aten op records it)
+    return h.sin()
+
+
+def _data_inplace(x: torch.Tensor) -> torch.Tensor:
+    h = x * 2
+    h.data.mul_(3)  # .data aliases the storage without sharing the version counter
+    return h.sin()
+
+
+_BUG12 = pytest.mark.xfail(reason="core bug #12, see notes", strict=True)
+
+
+@pytest.mark.parametrize(
+    ("fn", "policy"),
+    [
+        pytest.param(_set_data, "recompute_all", marks=_BUG12),
+        pytest.param(_set_data, "must_save_all", marks=_BUG12),
+        pytest.param(_data_inplace, "recompute_all", marks=_BUG12),
+        (_data_inplace, "must_save_all"),
+    ],
+    ids=[
+        "set_data-recompute_all",
+        "set_data-must_save_all",
+        "data_inplace-recompute_all",
+        "data_inplace-must_save_all",
+    ],
+)
+def test_writes_through_dot_data(fn: Callable[..., torch.Tensor], policy: str) -> None:
+    # Eager accepts both programs and differentiates the values as they are at backward time.
+    # The region must give the same gradients, or refuse with a CkptGraphError about `.data`;
+    # a silently different gradient or a (false) version-counter error is wrong.
+    try:
+        check(fn, [leaf(3, 4)], policy)
+    except cg.CkptGraphError as e:
+        assert ".data" in str(e) and "inplace operation" not in str(e), str(e)
+
+
 # --------------------------------------------------------------------------- buffers
 
 
