@@ -8,6 +8,7 @@ in some gradient.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -611,6 +612,97 @@ def test_random_op_between_regions_sees_user_stream(policy: str) -> None:
         return b
 
     check(fn, [leaf(3, 4)], policy, scoped=True)
+
+
+def _generator_used_between(scope: Any, x: torch.Tensor, g: torch.Generator) -> Any:
+    with scope():
+        a = (x * torch.rand(3, 4, generator=g, dtype=x.dtype)).sin()
+    between = torch.rand(2, generator=g, dtype=x.dtype)  # advances g before backward
+    return a, between
+
+
+def _keep_every_other(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+    return ctx.op_index % 2 == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["recompute_all", "must_save_all", "save_matmuls"])
+def test_explicit_generator_advanced_between_forward_and_backward(policy: Any) -> None:
+    check(
+        _generator_used_between, [leaf(3, 4), torch.Generator().manual_seed(3)], policy, scoped=True
+    )
+
+
+def test_random_ops_some_kept_some_recomputed() -> None:
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(x.exp(), 0.3)
+        h = F.dropout(h * w, 0.5) + torch.rand_like(h)
+        return (F.dropout(h.sin(), 0.2) * torch.randn(3, 4, dtype=h.dtype)).cos()
+
+    check(fn, [leaf(3, 4), leaf(3, 4, seed=2)], _keep_every_other)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["recompute_all", "must_save_all", "save_matmuls"])
+def test_random_op_in_inner_block(policy: Any) -> None:
+    def fn(scope: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        with scope() as region:
+            h = F.dropout(x.exp(), 0.4)
+            inner = (
+                cg.save_recompute_policy("recompute_all")
+                if region is not None
+                else contextlib.nullcontext()
+            )
+            with inner:
+                h = F.dropout(h * w, 0.4).sin()
+            return (F.dropout(h, 0.4) * x).tanh()
+
+    check(fn, [leaf(3, 4), leaf(3, 4, seed=2)], policy, scoped=True)
+
+
+# --------------------------------------------------------------------------- interplay with torch features
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["recompute_all", "must_save_all", "save_matmuls"])
+def test_backward_under_autocast_and_no_grad(policy: Any) -> None:
+    # Recompute runs the recorded (already cast) aten calls with autocast off, whatever the
+    # caller of backward has enabled.
+    def fn(scope: Any, m: nn.Module, x: torch.Tensor) -> Any:
+        with scope():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = m(x).relu()
+            out = (h.float() * x[:, :4]).sin()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.autograd.backward([out], [torch.ones_like(out)], retain_graph=True)
+        total = out.sum()
+        with torch.no_grad():
+            total.backward()
+        return out.detach()
+
+    check(fn, [_autocast_mlp(), leaf(5, 8, dtype=torch.float32)], policy, scoped=True)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["recompute_all", "must_save_all", "save_matmuls"])
+def test_user_dispatch_mode_around_region(policy: Any) -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def fn(scope: Any, x: torch.Tensor, w: torch.Tensor) -> Any:
+        with FlopCounterMode(display=False):
+            with scope():
+                y = ((x @ w).sin() @ w).exp()
+            y.sum().backward()
+        return y.detach()
+
+    check(fn, [leaf(3, 4), leaf(4, 4, seed=2)], policy, scoped=True)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["recompute_all", "must_save_all", "save_matmuls"])
+def test_tensor_hooks_and_vmap_in_region(policy: Any) -> None:
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = (x * w).exp()
+        h.register_hook(lambda g: g * 2)
+        v = torch.vmap(lambda a, b: (a * b).sin().exp())(h, w)
+        return (v * h).sin()
+
+    check(fn, [leaf(3, 4), leaf(3, 4, seed=2)], policy)
 
 
 # --------------------------------------------------------------------------- leaves created in region
