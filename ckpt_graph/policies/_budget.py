@@ -51,7 +51,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .._liveness import from_region, simulate
-from ._budget_solve import candidate_ops, solve
+from ._budget_solve import KeptTensor, PlanReport, candidate_ops, solve
 
 if TYPE_CHECKING:
     from ..region import Region
@@ -63,59 +63,6 @@ _DETACH = "aten.detach.default"
 _HEADROOM = 0.4
 _SEGMENT = 0.4
 Signature = tuple[str, tuple[tuple[int, ...], ...]]
-
-
-@dataclass(frozen=True)
-class KeptTensor:
-    """One op whose outputs a plan keeps: position in the region, op name, bytes."""
-
-    op_index: int
-    op: str
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class PlanReport:
-    """A plan of :func:`memory_budget` and what the simulator predicts for it.
-
-    Attributes:
-        ordinal: the region's position within a step (see Note [Memory budget policy]).
-        budget_bytes: the budget in bytes.
-        baseline_bytes: activation bytes autograd would keep without checkpointing.
-        kept: the kept ops (region op index, op name, bytes of their outputs).
-        predicted_peak_bytes: simulated activation peak of backward.
-        predicted_total_peak_bytes: the same plus gradient buffers.
-        predicted_recompute_flops: summed cost of the ops backward recomputes.
-        recomputed_ops: how many ops backward recomputes.
-        feasible: whether the plan fits the budget (else: the lowest peak found).
-        candidates: ops the planner could decide.
-        reuses: regions that ran with this plan after it was made.
-    """
-
-    ordinal: int
-    budget_bytes: int
-    baseline_bytes: int
-    kept: tuple[KeptTensor, ...]
-    predicted_peak_bytes: int
-    predicted_total_peak_bytes: int
-    predicted_recompute_flops: int
-    recomputed_ops: int
-    feasible: bool
-    candidates: int
-    reuses: int = 0
-
-    def __str__(self) -> str:
-        mib = 2.0**20
-        lines = [
-            f"memory_budget plan (region #{self.ordinal}): budget {self.budget_bytes / mib:.3f} "
-            f"MiB of {self.baseline_bytes / mib:.3f} MiB, predicted peak "
-            f"{self.predicted_peak_bytes / mib:.3f} MiB"
-            f"{'' if self.feasible else ' (does not fit)'}, recompute "
-            f"{self.predicted_recompute_flops:,} FLOPs in {self.recomputed_ops} ops",
-            f"  {'op':>6}  {'name':<40} {'bytes':>12}",
-        ]
-        lines += [f"  {k.op_index:>6}  {k.op:<40} {k.nbytes:>12,d}" for k in self.kept]
-        return "\n".join(lines)
 
 
 @dataclass

@@ -21,7 +21,8 @@
 #      each dropped op (most expensive first) keep it again and *repair*: drop the cheapest
 #      kept ops (cost per byte) until the plan fits again; accept the move when the repaired
 #      plan is cheaper (this covers 1-for-1 and 1-for-k swaps). Repeat until no move helps or
-#      the evaluation limit (``max_evals`` simulations) is reached. Small graphs (<= 24
+#      the evaluation limit is reached (``max_evals`` simulations or marginal-cost sweeps,
+#      each O(ops); it bounds planning to a few seconds on a 400-op region). Small graphs (<= 24
 #      candidates) also try keeping two dropped ops at once, and small graphs start the
 #      search twice: from the greedy descent and from a simulator-guided descent (each drop
 #      chosen by simulating every choice); the cheaper local optimum wins.
@@ -40,12 +41,65 @@ from dataclasses import dataclass
 
 from .._liveness import SimGraph, SimResult, simulate
 
-__all__ = ["Solution", "brute_force", "candidate_ops", "solve"]
+__all__ = ["KeptTensor", "PlanReport", "Solution", "brute_force", "candidate_ops", "solve"]
 
 # Up to this many kept ops, repairs pick each drop by simulating every choice.
 _SIM_GUIDED = 48
 # Up to this many candidates, local search also tries keeping two dropped ops at once.
 _PAIRS = 24
+
+
+@dataclass(frozen=True)
+class KeptTensor:
+    """One op whose outputs a plan keeps: position in the region, op name, bytes."""
+
+    op_index: int
+    op: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """A plan of :func:`memory_budget` and what the simulator predicts for it.
+
+    Attributes:
+        ordinal: the region's position within a step (see Note [Memory budget policy]).
+        budget_bytes: the budget in bytes.
+        baseline_bytes: activation bytes autograd would keep without checkpointing.
+        kept: the kept ops (region op index, op name, bytes of their outputs).
+        predicted_peak_bytes: simulated activation peak of backward.
+        predicted_total_peak_bytes: the same plus gradient buffers.
+        predicted_recompute_flops: summed cost of the ops backward recomputes.
+        recomputed_ops: how many ops backward recomputes.
+        feasible: whether the plan fits the budget (else: the lowest peak found).
+        candidates: ops the planner could decide.
+        reuses: regions that ran with this plan after it was made.
+    """
+
+    ordinal: int
+    budget_bytes: int
+    baseline_bytes: int
+    kept: tuple[KeptTensor, ...]
+    predicted_peak_bytes: int
+    predicted_total_peak_bytes: int
+    predicted_recompute_flops: int
+    recomputed_ops: int
+    feasible: bool
+    candidates: int
+    reuses: int = 0
+
+    def __str__(self) -> str:
+        mib = 2.0**20
+        lines = [
+            f"memory_budget plan (region #{self.ordinal}): budget {self.budget_bytes / mib:.3f} "
+            f"MiB of {self.baseline_bytes / mib:.3f} MiB, predicted peak "
+            f"{self.predicted_peak_bytes / mib:.3f} MiB"
+            f"{'' if self.feasible else ' (does not fit)'}, recompute "
+            f"{self.predicted_recompute_flops:,} FLOPs in {self.recomputed_ops} ops",
+            f"  {'op':>6}  {'name':<40} {'bytes':>12}",
+        ]
+        lines += [f"  {k.op_index:>6}  {k.op:<40} {k.nbytes:>12,d}" for k in self.kept]
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -111,7 +165,7 @@ def _own_bytes(g: SimGraph, op: int) -> int:
 
 
 def solve(
-    g: SimGraph, candidates: Sequence[int], budget: int, *, max_evals: int = 4000
+    g: SimGraph, candidates: Sequence[int], budget: int, *, max_evals: int = 1000
 ) -> Solution:
     """Plan the kept ops among ``candidates``. See Note [Memory budget planning].
 
@@ -156,6 +210,7 @@ class _Search:
     def marginal(self, op: int, kept: set[int]) -> float:
         """Extra recompute cost per byte of dropping ``op`` from ``kept``."""
         g = self.g
+        self.evals += 1
         cost = _run_cost(g, _flags(g, kept - {op})) - _run_cost(g, _flags(g, kept))
         return cost / max(_own_bytes(g, op), 1)
 
