@@ -30,7 +30,7 @@ from torch.utils.checkpoint import (
 )
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from ckpt_graph.zoo import Workload, build_workload
+from ckpt_graph.zoo import Workload, WorkloadError, build_workload
 
 aten = torch.ops.aten
 
@@ -490,7 +490,11 @@ def _run(
             fig.update(status="skipped", note=str(e))
         except Exception as e:  # a failing strategy is reported, not fatal
             if name == "none":
-                raise
+                # The reference itself does not run: a dtype/device the model does not support.
+                raise WorkloadError(
+                    f"{w.name} does not run here even without checkpointing: {type(e).__name__}: "
+                    + (str(e).strip().splitlines() or [""])[0][:200]
+                ) from e
             first = (str(e).strip().splitlines() or [""])[0]
             fig.update(status="failed", note=f"{type(e).__name__}: {first}"[:300])
         if name not in forwards:

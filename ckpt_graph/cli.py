@@ -147,6 +147,10 @@ def _check_args(args: argparse.Namespace) -> dict[str, object]:
         )
     if args.plot and not _have_matplotlib():
         raise UsageError("--plot needs matplotlib (pip install matplotlib)")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        parent = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not os.path.isdir(parent):
+            raise UsageError(f"{option} {path}: directory {parent} does not exist")
     return {
         "model": args.model,
         **sizes,

@@ -81,6 +81,7 @@ BAD_INPUTS = [
     (["compare", "--device", "meta"], "unsupported device 'meta'"),
     (["compare", "--device", "banana"], "unknown device 'banana'"),
     (["compare", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["compare", "--json", "/nonexistent/dir/x.json"], "directory /nonexistent/dir does not exist"),
     ([], "missing command"),
 ]
 
