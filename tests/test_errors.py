@@ -73,6 +73,29 @@ def test_non_callable_policy() -> None:
             pass
 
 
+def test_context_manager_object_cannot_be_entered_twice() -> None:
+    block = cg.save_recompute_policy("recompute_all")
+    with block:
+        pass
+    with pytest.raises((RuntimeError, ValueError), match="twice"), block:
+        pass
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+def test_parameter_updated_between_forward_and_backward(policy: Any) -> None:
+    # An optimizer step before backward: eager raises (addmm saved the weight), so must the region.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4).double()
+    x = leaf(3, 4)
+    for scope in (contextlib.nullcontext(), cg.save_recompute_policy(policy)):
+        with scope:
+            y = lin(x).sin().sum()
+        with torch.no_grad():
+            lin.weight.add_(1)
+        with pytest.raises(RuntimeError, match=VERSION_ERROR):
+            y.backward()
+
+
 # --------------------------------------------------------------------------- conflicting MUSTs
 
 
