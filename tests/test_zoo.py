@@ -149,6 +149,14 @@ OPS: list[Op] = [
     _unary(lambda t: t / (t.norm() + 1)),
     _unary(lambda t: t.amax(0, keepdim=True) - t),
     _unary(lambda t: t.cumsum(0)),
+    # random
+    _unary(lambda t: F.dropout(t, 0.3)),
+    _unary(lambda t: t * torch.rand_like(t)),
+    # multi-output
+    _unary(lambda t: torch.cat(t.split([1, 3]), 0).flip(1)),
+    _unary(lambda t: t.topk(2, dim=1).values.repeat(1, 2)),
+    _unary(lambda t: torch.stack(t.unbind(0)[::-1])),
+    _unary(lambda t: t.sort(dim=0).values * t.max(dim=1, keepdim=True).values),
     # in-place (may be rejected by eager autograd: then the checkpointed run must raise too)
     _fresh_inplace(lambda t, o: t.mul_(1.5)),
     _fresh_inplace(lambda t, o: t.add_(o)),
