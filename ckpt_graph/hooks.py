@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from .graph import Handle
     from .region import Region
 
-__all__ = ["Packed", "pack_hook", "unpack_hook"]
+__all__ = ["Packed", "pack_hook", "unpack_hook", "unpack_hook_for_autograd"]
 
 
 class Packed:
@@ -61,13 +62,26 @@ def pack_hook(region: Region, t: torch.Tensor) -> Any:
     return Packed(region, h)
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
 def unpack_hook(packed: Any) -> torch.Tensor:
-    """Return the saved tensor: the kept value, or its recomputation.
-
-    Excluded from dynamo: under compiled autograd with a torch.compile backend the hook
-    is called from the compiled backward instead of being traced (see README, Integrations).
-    """
+    """Return the saved tensor: the kept value, or its recomputation."""
     if type(packed) is not Packed:
         return packed  # type: ignore[no-any-return]
     return unpack_value(packed.region, packed.handle)
+
+
+_compiler_safe_unpack: list[Any] = []
+
+
+def unpack_hook_for_autograd() -> Any:
+    """The unpack hook to install: excluded from dynamo once dynamo is in use.
+
+    Under compiled autograd with a torch.compile backend, dynamo would trace the hook
+    (and fail on the engine's callbacks); excluded, it is called from the compiled
+    backward instead. Importing dynamo costs seconds, so it is only touched when the
+    program has imported it already (nothing can be compiling otherwise).
+    """
+    if "torch._dynamo" not in sys.modules:
+        return unpack_hook
+    if not _compiler_safe_unpack:
+        _compiler_safe_unpack.append(torch._dynamo.disable(unpack_hook))
+    return _compiler_safe_unpack[0]

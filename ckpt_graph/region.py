@@ -20,7 +20,7 @@ from . import _modules, graph
 from ._debug import checksums
 from ._errors import CkptGraphError
 from .graph import Handle, OpInfo, OpNode, version_of
-from .hooks import pack_hook, unpack_hook
+from .hooks import pack_hook, unpack_hook_for_autograd
 from .policies._core import POLICY_NAMES, PolicyContext, PolicyFn, normalize_policy, resolve
 from .policies._core import to_decision as _to_decision
 from .realize import PassState, count_live_uses, exact_copy, lose_use
@@ -104,7 +104,9 @@ class Region:
         self._ctx = PolicyContext(self)
         _tls.region = self
         _modules.install_hooks()
-        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: pack_hook(self, t), unpack_hook)
+        hooks = torch.autograd.graph.saved_tensors_hooks(
+            lambda t: pack_hook(self, t), unpack_hook_for_autograd()
+        )
         recorder = Recorder(self)
         hooks.__enter__()
         recorder.__enter__()
