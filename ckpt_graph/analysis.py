@@ -16,7 +16,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from ._analysis_core import category, fmt_bytes, node_flops
@@ -136,6 +136,9 @@ def _input_attrs(h: Handle) -> dict[str, Any]:
     }
 
 
+_FIELDS = tuple(f.name for f in fields(OpRecord))
+
+
 def _value_node(h: Handle) -> int | tuple[str, int]:
     return h.node_index if h.node_index >= 0 else ("input", h.index)
 
@@ -162,7 +165,8 @@ def to_networkx(region: Region) -> nx.DiGraph:
     for h in region.inputs:
         g.add_node(("input", h.index), **_input_attrs(h))
     for node in region.nodes:
-        g.add_node(node.index, kind="op", **asdict(_record(node)))
+        record = _record(node)
+        g.add_node(node.index, kind="op", **{f: getattr(record, f) for f in _FIELDS})
         for h in node.inputs:
             src = _value_node(h)
             if g.has_edge(src, node.index):  # several outputs of one producer (split -> cat)
