@@ -28,19 +28,24 @@ POLICIES = ["recompute_all", "must_save_all", save_matmuls]
 POLICY_IDS = ["recompute_all", "must_save_all", "save_matmuls"]
 
 
+_WARM: list[bool] = []
+
+
 @contextmanager
 def gc_disabled() -> Iterator[None]:
-    """Disable the cycle collector; first run one region so one-time lazy imports are done.
+    """Disable the cycle collector; once per session, first run regions to finish lazy imports.
 
     A lazy import that fails inside torch leaves cyclic garbage holding the frames that were
     active, and with them whatever tensors those frames referenced: not the engine's doing.
     """
-    for policy in ("recompute_all", "must_save_all"):
-        w = leaf(2)
-        with cg.save_recompute_policy(policy):
-            y = counted(counted_exp(w.sin() * 0.5)).tanh().sum()
-        y.backward()
-    gc.collect()
+    if not _WARM:
+        for policy in ("recompute_all", "must_save_all"):
+            w = leaf(2)
+            with cg.save_recompute_policy(policy):
+                y = counted(counted_exp(w.sin() * 0.5)).tanh().sum()
+            y.backward()
+        gc.collect()
+        _WARM.append(True)
     was = gc.isenabled()
     gc.disable()
     try:
