@@ -260,7 +260,9 @@ def make_forward(name: str, w: Workload) -> _Forward:
             k = 0
 
         def tag_wrap(i: int, f: Callable[..., Any]) -> Callable[..., Any] | None:
-            if k == 0 or (i + 1) % k or i + 1 == len(blocks):
+            # Keep every k-th block output and the last one: torch-sqrt's segment inputs,
+            # plus the input of the head, which torch-sqrt leaves outside its checkpoints.
+            if k == 0 or ((i + 1) % k and i + 1 != len(blocks)):
                 return None
 
             def fwd(*args: object, **kwargs: object) -> object:
@@ -274,7 +276,12 @@ def make_forward(name: str, w: Workload) -> _Forward:
 
         def one_region() -> object:
             with _patched_forwards(blocks, tag_wrap), cg.save_recompute_policy(policy=policy):
-                return model(*inputs)
+                out = model(*inputs)
+                if k:  # the head's output too, as torch-sqrt keeps it (same segmentation)
+                    h = _first_tensor(out)
+                    if h is not None:
+                        cg.tag_with_policy(h, True)
+                return out
 
         _POLICIES[one_region] = policy
         return one_region
