@@ -39,6 +39,19 @@ def _to_channels_last(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _post(r.permute(0, 2, 3, 1).view(-1), w.view(-1))
 
 
+def _sdpa_attn_mask(x: torch.Tensor, w: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    # attn_mask and scale are keyword-only in the aten schema; the mask is a region value.
+    q = (x @ w).view(1, 2, 3, 2)
+    mask = (m @ w).view(1, 1, 3, 4)[..., :3].tanh()
+    return F.scaled_dot_product_attention(q, q.sin(), q.cos(), attn_mask=mask, scale=0.7).exp()
+
+
+def _embedding_bag_weights(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    idx, offsets = torch.tensor([0, 2, 1, 2, 0]), torch.tensor([0, 2])
+    psw = w.flatten()[:5].sin()
+    return F.embedding_bag(idx, x.exp(), offsets, mode="sum", per_sample_weights=psw).sin()
+
+
 KWARG_CASES: dict[str, Case] = {
     "add_alpha": (
         lambda x, y, w: _post(torch.add(x, y, alpha=2.5), w),
@@ -90,6 +103,16 @@ KWARG_CASES: dict[str, Case] = {
         [leaf(3, 4), leaf(3, 4, seed=1), leaf(3, 4, seed=2)],
     ),
     "cumsum_dim": (lambda x, w: _post(torch.cumsum(x, dim=1), w), [leaf(3, 4), leaf(3, 4, seed=2)]),
+    "sdpa_attn_mask_scale": (_sdpa_attn_mask, [leaf(3, 4), leaf(4, 4, seed=1), leaf(3, 4, seed=2)]),
+    "clamp_tensor_bounds": (
+        lambda x, w: torch.clamp(x.exp(), min=w.sin() * 0.1, max=w.sin() * 0.1 + 1).sin(),
+        [leaf(3, 4), leaf(3, 4, seed=2)],
+    ),
+    "normal_tensor_params": (
+        lambda x, w: (torch.normal(x.sin(), w.exp() * 0.1) * x).sin(),
+        [leaf(3, 4), leaf(3, 4, seed=2)],
+    ),
+    "embedding_bag_per_sample_weights": (_embedding_bag_weights, [leaf(3, 4), leaf(3, 4, seed=2)]),
     "rand_generator": (
         lambda x, g, w: _post(x * torch.rand(x.shape, generator=g, dtype=x.dtype), w),
         [leaf(3, 4), torch.Generator().manual_seed(7), leaf(3, 4, seed=2)],
