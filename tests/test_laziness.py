@@ -349,6 +349,21 @@ def test_ctx_attributes() -> None:
     c.backward()
 
 
+def test_ctx_flags_for_dropout_chain() -> None:
+    rec = _Recorder()
+    x = leaf(3, 4)
+    with cg.save_recompute_policy(rec):
+        y = torch.nn.functional.dropout(x, 0.5, training=True)
+    flags = {
+        op: (c["is_random"], c["is_inplace"]) for (op, _), c in zip(rec.calls, rec.ctx, strict=True)
+    }
+    assert flags["aten.empty_like.default"] == (False, False)
+    assert flags["aten.bernoulli_.float"] == (True, True)
+    assert flags["aten.div_.Scalar"] == (False, True)
+    assert flags["aten.mul.Tensor"] == (False, False)
+    y.sum().backward()
+
+
 def test_ctx_kept_bytes_grows_with_kept_outputs() -> None:
     seen: list[int] = []
 
