@@ -153,6 +153,35 @@ def test_unneeded_output_of_recomputed_multi_output_op_dropped_at_once() -> None
     torch.testing.assert_close(x.grad, expected.grad, rtol=0, atol=0)
 
 
+def test_recomputed_values_freed_after_their_last_use() -> None:
+    # h_{i+1} = counted_exp(h_i * 0.5): each output is saved by its own backward only. The first
+    # unpack (of h5) recomputes h1..h5 once; each cached value must be freed as soon as its own
+    # backward node has unpacked it, while the ones still pending stay cached (no re-run).
+    n = 5
+    x = leaf(3, 4)
+    seen: dict[int, list[bool]] = {}
+    with cg.save_recompute_policy("recompute_all"):
+        hs = [x]
+        for _ in range(n):
+            hs.append(counted_exp(hs[-1] * 0.5))
+        y = hs[-1].sum()
+
+    def snapshot(k: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            seen[k] = [r() is not None for r in LIVE_OUTPUTS[n:]]
+
+        return hook
+
+    for k in range(1, n):
+        hs[k].register_hook(snapshot(k))
+    del hs
+    y.backward()
+    assert CALLS["counted_exp"] == 2 * n
+    for k in range(1, n):  # at h_k's gradient hook, h_1..h_k are pending, h_{k+1}..h_n are done
+        assert seen[k] == [j <= k for j in range(1, n + 1)], (k, seen[k])
+    assert not any(r() is not None for r in LIVE_OUTPUTS)
+
+
 # --------------------------------------------------------------------------- policy stack
 
 
