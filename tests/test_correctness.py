@@ -717,6 +717,39 @@ def test_user_dispatch_mode_around_region(policy: Any) -> None:
     check(fn, [leaf(3, 4), leaf(4, 4, seed=2)], policy, scoped=True)
 
 
+def _inner_block(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (F.dropout(a.sin(), 0.3) * b).exp().tanh()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("policy", POLICIES, ids=["recompute_all", "must_save_all", "save_matmuls"])
+def test_torch_checkpoint_inside_region(policy: Any, reentrant: bool) -> None:
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch_checkpoint(_inner_block, x.cos() * w, w, use_reentrant=reentrant).sin()
+
+    check(fn, [leaf(3, 4), leaf(3, 4, seed=2)], policy)
+
+
+@pytest.mark.xfail(reason="core bug #13, see notes", strict=True)
+def test_nested_block_inside_torch_checkpoint_inside_region() -> None:
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    def wrapped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        with cg.save_recompute_policy("recompute_all"):
+            return _inner_block(a, b)
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch_checkpoint(wrapped, x.cos(), w, use_reentrant=False).sin()
+
+    ref = run(
+        lambda x, w: torch_checkpoint(_inner_block, x.cos(), w, use_reentrant=False).sin(),
+        [leaf(3, 4), leaf(3, 4, seed=2)],
+    )
+    assert_same(ref, run(fn, [leaf(3, 4), leaf(3, 4, seed=2)], "recompute_all"))
+
+
 @pytest.mark.parametrize("policy", POLICIES, ids=["recompute_all", "must_save_all", "save_matmuls"])
 def test_tensor_hooks_and_vmap_in_region(policy: Any) -> None:
     def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
