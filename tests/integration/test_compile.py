@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import ckpt_graph as cg
-from ckpt_graph.wrap import wrap
+from ckpt_graph.wrap import is_wrapped, wrap
 
 BACKENDS = ["eager", "aot_eager"]
 
@@ -140,3 +140,15 @@ def test_compiled_module_inside_region_runs_eagerly(backend: str) -> None:
     # dynamo skipped the frame (a TorchDispatchMode is active): the region recorded the eager ops
     assert counter.frame_count == 0
     assert [n.op.__name__ for n in region.nodes].count("addmm.default") == 4
+
+
+def test_wrap_after_compile_composes() -> None:
+    """``wrap(torch.compile(model))`` finds the blocks through the OptimizedModule."""
+    model = _net(loop=False)
+    expected = _grads(model, model, X)
+    counter = CompileCounterWithBackend("eager")
+    compiled = wrap(torch.compile(model, backend=counter))
+    assert all(is_wrapped(b) for b in model.blocks)
+    with pytest.warns(UserWarning, match="runs eagerly under torch.compile"):
+        torch.testing.assert_close(_grads(model, compiled, X), expected, rtol=0, atol=0)
+    assert counter.frame_count >= 2
