@@ -28,13 +28,15 @@
 # 5. Heuristic (no plan, or a changed graph). The allowance is the budget for an int, and
 #    budget x saved bytes so far for a fraction (the total is unknown before the region
 #    ends), so more is kept later in the forward, where backward starts. Keep an op's
-#    output (a) to cap recompute chains: when ``4 * _CHAIN`` ops or ``_SEGMENT`` x
-#    allowance bytes were saved since the last kept op, or when the op joins a value
-#    made ``_CHAIN`` or more ops earlier (a residual add: keeping the
-#    stream, not a branch, is what cuts chains; backward recomputes and caches one
-#    segment at a time), while the kept bytes fit the allowance; or (b) when the op is
-#    expensive (FLOPs known: matmuls, convolutions, attention) and the kept bytes stay under
-#    ``_HEADROOM`` x allowance. In-place ops and ops without tensor outputs are recomputed.
+#    output (a) to cap recompute chains, while the kept bytes fit the allowance: when the
+#    op joins a value made ``_CHAIN`` or more ops earlier (a residual add: keeping the
+#    stream, not a branch, is what cuts chains, and backward recomputes and caches one
+#    segment between kept values at a time), or as a safety net when ``4 * _CHAIN`` ops
+#    ran or ``_SEGMENT`` x allowance bytes were saved since the last kept op (keeping
+#    whatever op comes then rarely cuts a chain: on a 12-layer GPT a lower ``_SEGMENT``
+#    doubled the first step's peak at 20%); or (b) when the op is expensive (FLOPs known:
+#    matmuls, convolutions, attention) and the kept bytes stay under ``_HEADROOM`` x
+#    allowance. In-place ops and ops without tensor outputs are recomputed.
 # 6. Signatures skip ``aten.detach`` ops (always recomputed: views, no memory): keeping a
 #    value can make the engine record one (core_bugs.md), which would shift positions
 #    between a step decided by the heuristic and one decided by the plan.
@@ -58,10 +60,10 @@ if TYPE_CHECKING:
 
 __all__ = ["KeptTensor", "MemoryBudget", "PlanReport", "memory_budget"]
 
-_CHAIN = 8
+_CHAIN = 6
 _DETACH = "aten.detach.default"
 _HEADROOM = 0.4
-_SEGMENT = 0.4
+_SEGMENT = 1.0
 Signature = tuple[str, tuple[tuple[int, ...], ...]]
 
 
