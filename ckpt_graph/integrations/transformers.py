@@ -11,10 +11,14 @@
 # region because transformers checkpoints ``forward``, not ``__call__``. Unlike the reentrant
 # torch checkpoint, a region needs no input that requires grad, so ``enable`` does not register
 # transformers' ``enable_input_require_grads`` hook. ``transformers`` is imported lazily.
+# Under torch.compile the call goes through a dynamo-disabled function (one graph break per
+# layer, the layer runs eagerly in its region, with a warning), as for ``ckpt_graph.wrap``:
+# see Note [Wrapped modules under torch.compile] in ckpt_graph/wrap.py.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -42,10 +46,28 @@ class HFCheckpointFunction:
         self.policy = policy
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # constant under dynamo; False when eager
+            return _checkpoint_eagerly(self.policy, function, args, kwargs)
         return checkpoint(function, *args, policy=self.policy, **kwargs)
 
     def __repr__(self) -> str:
         return f"HFCheckpointFunction(policy={self.policy!r})"
+
+
+@torch._dynamo.disable  # type: ignore[untyped-decorator,misc]
+def _checkpoint_eagerly(
+    policy: Any, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """The graph break of a checkpointed layer under torch.compile. See Note [HF checkpoint function]."""
+    name = getattr(getattr(function, "func", function), "__qualname__", repr(function))
+    warnings.warn(
+        f"ckpt_graph: {name} (checkpointed by ckpt_graph.integrations.transformers) runs "
+        "eagerly under torch.compile: its region records aten ops with a TorchDispatchMode, "
+        "which dynamo cannot trace; gradients are exact",
+        UserWarning,
+        stacklevel=2,
+    )
+    return checkpoint(function, *args, policy=policy, **kwargs)
 
 
 def _pretrained(model: Any, caller: str) -> Any:

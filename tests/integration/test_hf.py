@@ -140,3 +140,23 @@ def test_wrap_and_unwrap_hf_model_keeps_names() -> None:
     assert [n for n, _ in model.named_parameters()] == names
     unwrap(model)
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_checkpoint_function_under_torch_compile_runs_eagerly_and_warns() -> None:
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(4, 4).double()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    (lin(x) * 2).sum().backward()
+    expected = [lin.weight.grad.clone(), x.grad.clone()]  # type: ignore[union-attr]
+    lin.zero_grad(set_to_none=True)
+    x.grad = None
+    function = cg_hf.HFCheckpointFunction("recompute_all")
+
+    @torch.compile(backend="eager")
+    def f(inp: torch.Tensor) -> torch.Tensor:
+        return function(lin, inp) * 2
+
+    with pytest.warns(UserWarning, match="runs eagerly under torch.compile"):
+        f(x).sum().backward()
+    torch.testing.assert_close([lin.weight.grad, x.grad], expected, rtol=0, atol=0)
+    torch._dynamo.reset()
