@@ -291,7 +291,7 @@ def _inplace_dropout_style(x: torch.Tensor) -> torch.Tensor:
     return (x * noise).sin()
 
 
-def _inplace_on_input_index(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _index_add_on_region_tensor(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = x.exp() * 1
     y.index_add_(0, torch.tensor([0, 2, 0]), w[:3])
     return (y * y).sum()
@@ -330,7 +330,7 @@ INPLACE_CASES: dict[str, Case] = {
     "unsqueeze_transpose_": (_inplace_unsqueeze, [leaf(3, 4), leaf(3, 4, seed=2)]),
     "view_alias": (_inplace_then_read_old_alias, [leaf(3, 4), leaf(3, 4, seed=2)]),
     "fill_clamp_": (_inplace_dropout_style, [leaf(3, 4)]),
-    "index_add_": (_inplace_on_input_index, [leaf(4, 3), leaf(4, 3, seed=2)]),
+    "index_add_": (_index_add_on_region_tensor, [leaf(4, 3), leaf(4, 3, seed=2)]),
     "old_version_needed": (_old_version_needed_after_mutation, [leaf(3, 4)]),
 }
 
