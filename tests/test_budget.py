@@ -247,3 +247,21 @@ def test_nested_inside_another_policy_plans_only_its_block() -> None:
     assert mine and all(k.op_index in mine for k in report.kept)
     names = {n.info.name: n.decided_by for n in region.nodes}
     assert names["aten.sin.default"] != repr(policy) and names["aten.cos.default"] != repr(policy)
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.5, 0.8])
+def test_first_step_heuristic_roughly_respects_the_budget(fraction: float) -> None:
+    torch.manual_seed(0)
+    model = GPT(64, 32, 4, 2, 16).train()
+    x = torch.randint(0, 64, (4, 16))
+    policy = memory_budget(fraction)
+    with cg.save_recompute_policy(policy) as region:
+        model(x)
+    first = policy.report()
+    assert first is not None and first.reuses == 0  # this step ran on the heuristic
+    g = from_region(region)
+    heuristic = simulate(g, kept_ops_of(region))
+    assert heuristic.peak_bytes <= 1.1 * fraction * g.saved_bytes()
+    # Without any kept value backward would recompute the whole region at once.
+    unfixed = from_region(region, free_ops=range(len(region.nodes)))
+    assert heuristic.peak_bytes < simulate(unfixed, []).peak_bytes
