@@ -44,5 +44,11 @@ def test_outputs_are_stripped(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_listed_in_readme(path: Path) -> None:
+    readme = (path.parent / "README.md").read_text(encoding="utf-8")
+    assert f"`{path.name}`" in readme, f"notebooks/README.md does not describe {path.name}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_kernel_is_python3(path: Path) -> None:
     assert _load(path)["metadata"]["kernelspec"]["name"] == "python3"
