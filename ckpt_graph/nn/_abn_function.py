@@ -145,17 +145,20 @@ def _measure_baselines() -> tuple[int, int]:
 
 
 _BASELINE_PYTHON_REFS, _BASELINE_STORAGE_REFS = _measure_baselines()
+# The Python references a gradient has on its way into backward depend on global state
+# (e.g. frame callbacks that torch.compile / dynamo install): when a gradient shows more
+# than the import-time baseline, measure the baseline again in the current state (never
+# cached: the state may change back, and a stale high baseline would be unsafe).
 
 
 def _owned(grad: torch.Tensor, python_refs: int) -> bool:
     """Whether `grad` (a backward argument with `python_refs` counted there) is ours alone."""
     # See Note [In-place activated BatchNorm], rule 5.
-    return (
-        _BASELINE_PYTHON_REFS >= 0
-        and python_refs <= _BASELINE_PYTHON_REFS
-        and _tensor_refs(grad) == 1
-        and _storage_refs(grad) == _BASELINE_STORAGE_REFS
-    )
+    if _BASELINE_PYTHON_REFS < 0:
+        return False
+    if _tensor_refs(grad) != 1 or _storage_refs(grad) != _BASELINE_STORAGE_REFS:
+        return False
+    return python_refs <= _BASELINE_PYTHON_REFS or python_refs <= _measure_baselines()[0]
 
 
 def _activation_backward_(
