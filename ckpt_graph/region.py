@@ -427,7 +427,9 @@ class Region:
                 self._keep(h, o, graph.POLICY, _KEEP.get(decision, False))
             else:
                 continue
-            if not h.is_view:  # a view's bytes belong to its base
+            if not h.is_view and overwritten is None:
+                # A view's bytes belong to its base; an in-place version's were counted
+                # with the kept value it overwrote.
                 self.kept_bytes += h.nbytes
             if self._by_storage is not None:
                 self._index_storage(h)
