@@ -44,7 +44,7 @@ from .graph import _OP_INFO, op_info
 if TYPE_CHECKING:
     from .region import Region
 
-__all__ = ["Recorder"]
+__all__ = ["Recorder", "recorder_class"]
 
 _current_task = torch._C._current_graph_task_id
 _ONES_LIKE = torch.ops.aten.ones_like.default
@@ -72,8 +72,9 @@ class Recorder(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch wraps __torch_dispatch__ in torch._disable_dynamo by default, which costs
-        # several microseconds per op; the recorder is never traced by dynamo (a region in
-        # compiled code runs eagerly), so the wrapper buys nothing here.
+        # several microseconds per op. It is only needed when dynamo may be compiling (its
+        # frame callback would otherwise compile the recorder's own frames): see
+        # recorder_class().
         return False
 
     def __torch_dispatch__(
@@ -105,3 +106,28 @@ class Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         region._record(func, info, h_args, h_kwargs, inputs, out, rng, args, kwargs, overwritten)
         return out
+
+
+_compile_safe: list[type[Recorder]] = []
+
+
+def recorder_class() -> type[Recorder]:
+    """The recorder to use: excluded from dynamo once dynamo is loaded.
+
+    Without dynamo loaded nothing can be compiling, and the plain recorder skips torch's
+    per-op ``_disable_dynamo`` wrapper (importing dynamo just to check costs seconds).
+    """
+    if "torch._dynamo" not in sys.modules:
+        return Recorder
+    if not _compile_safe:
+
+        class CompileSafeRecorder(Recorder):
+            @classmethod
+            def _should_skip_dynamo(cls) -> bool:
+                return True
+
+            # Redefined here so that TorchDispatchMode.__init_subclass__ wraps it.
+            __torch_dispatch__ = Recorder.__torch_dispatch__
+
+        _compile_safe.append(CompileSafeRecorder)
+    return _compile_safe[0]

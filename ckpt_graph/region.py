@@ -24,7 +24,7 @@ from .hooks import pack_hook, unpack_hook_for_autograd
 from .policies._core import POLICY_NAMES, PolicyContext, PolicyFn, normalize_policy, resolve
 from .policies._core import to_decision as _to_decision
 from .realize import PassState, count_live_uses, exact_copy, lose_use
-from .record import Recorder
+from .record import recorder_class
 
 __all__ = ["Region", "checkpoint", "current_region", "save_recompute_policy", "tag_with_policy"]
 
@@ -107,7 +107,7 @@ class Region:
         hooks = torch.autograd.graph.saved_tensors_hooks(
             lambda t: pack_hook(self, t), unpack_hook_for_autograd()
         )
-        recorder = Recorder(self)
+        recorder = recorder_class()(self)
         hooks.__enter__()
         recorder.__enter__()
         self._exits = [recorder, hooks]

@@ -97,14 +97,6 @@ def test_compiled_model_with_wrapped_blocks_warns(backend: str, loop: bool) -> N
     assert counter.frame_count == frames  # second step: no recompile
 
 
-XFAIL_BUG_10 = pytest.mark.xfail(
-    strict=True,
-    reason="core bug #10: dynamo compiles frames the recorder calls (region._record) with fake "
-    "tensors and fails; Recorder.__torch_dispatch__ must be torch._dynamo.disable-d",
-)
-
-
-@XFAIL_BUG_10
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_region_inside_compiled_function_runs_eagerly(backend: str) -> None:
     model = _net()
@@ -123,7 +115,6 @@ def test_region_inside_compiled_function_runs_eagerly(backend: str) -> None:
     assert counter.op_count == 0
 
 
-@XFAIL_BUG_10
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_module_inside_region_runs_eagerly(backend: str) -> None:
     model = _net()
