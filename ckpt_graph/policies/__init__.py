@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+from ckpt_graph.policies._budget import MemoryBudget, PlanReport, memory_budget
 from ckpt_graph.policies._builtins import (
     Answer,
     Policy,
@@ -23,12 +24,15 @@ from ckpt_graph.policies._modules import ModuleMatch, save_module_outputs
 
 __all__ = [
     "Answer",
+    "MemoryBudget",
     "ModuleMatch",
+    "PlanReport",
     "Policy",
     "PolicyLike",
     "any_save",
     "first_answer",
     "from_torch_sac",
+    "memory_budget",
     "offload",
     "recompute_ops",
     "save_matmuls",
