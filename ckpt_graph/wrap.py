@@ -71,7 +71,7 @@ class RegionForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # constant under dynamo; False when eager
-            return _run_eagerly(self, args, kwargs)
+            return _RUN_EAGERLY[0](self, args, kwargs)
         return self.run(args, kwargs)
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -86,9 +86,8 @@ class RegionForward:
         return f"RegionForward({type(self.module).__name__}, policy={self.policy!r})"
 
 
-@torch._dynamo.disable  # type: ignore[untyped-decorator,misc]
 def _run_eagerly(rf: RegionForward, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The graph break of a wrapped module under torch.compile.
+    """The graph break of a wrapped module under torch.compile (dynamo-disabled by wrap()).
 
     See Note [Wrapped modules under torch.compile].
     """
@@ -101,6 +100,12 @@ def _run_eagerly(rf: RegionForward, args: tuple[Any, ...], kwargs: dict[str, Any
         stacklevel=2,
     )
     return rf.run(args, kwargs)
+
+
+# ``_run_eagerly`` excluded from dynamo, made by the first ``wrap()`` call: importing dynamo
+# costs seconds, too much for ``import ckpt_graph``, and RegionForward objects only exist
+# after a wrap() call.
+_RUN_EAGERLY: list[Callable[..., Any]] = []
 
 
 def _is_compiled(m: torch.nn.Module) -> bool:
@@ -208,6 +213,10 @@ def wrap(
             f"ckpt_graph: wrap() found {what} in {type(model).__name__}; pass match= "
             "(a module class, a name pattern such as 'layers.*', or a predicate)"
         )
+    if not _RUN_EAGERLY:
+        from torch._dynamo import disable
+
+        _RUN_EAGERLY.append(disable(_run_eagerly))
     for m in selected:
         compiled = [n for n, sub in m.named_modules() if _is_compiled(sub)]
         if compiled:
