@@ -22,19 +22,26 @@ builds one from a recorded region.
 #    input; a cached value is freed when its use count reaches zero. Every op runs at most
 #    once per pass, so the recompute cost of a plan is the cost of the ops marked to run.
 # 3. Memory is counted per *storage*: a view shares the storage of its base, so keeping or
-#    caching a view keeps the whole base. The new version an in-place op returns gets a
-#    storage of its own: the engine copies a kept value before an in-place op changes it,
-#    and recompute runs the op on a copy unless it is the old version's only user.
-#    Storages of region inputs (parameters, the batch) are never counted: they live anyway.
-#    activation memory = kept storages + storages of cached or held recomputed values.
+#    caching a view keeps the whole base (in-place results: rule 6). Storages of region
+#    inputs (parameters, the batch) are never counted: they live anyway.
+#    activation memory = storages of live kept values + cached or held recomputed values.
 # 4. Gradient buffers: the gradient of an op output (floating, not a view) is alive from the
 #    step of its last consumer (or from the start for a region output) to the step of its
 #    producer; a region input's gradient is counted at each consumer's step only (parameters
 #    accumulate into ``.grad`` at once). They do not depend on the plan, so they are computed
 #    once per graph (``step_grad_bytes``) and added to the total, not to the activation peak.
+# 5. Kept values count only if a saved tensor may need them when backward starts: live
+#    uses = saved tensors + ops that must run for a recomputed value, as the engine counts
+#    them at region exit (Note [Releasing kept values]); kept values nobody needs are
+#    released there and are not counted. Their release during the pass, as autograd frees
+#    saved tensors, is not modelled (tried: it predicted 13-27% below the measured peak of
+#    budget plans, so the engine frees later than that model); peaks are mostly reached
+#    early in backward, where nearly every kept value is still needed.
+# 6. An in-place op returns a new version in the storage of the written value when nothing
+#    used the old version before (the engine then keeps one tensor for both); otherwise the
+#    engine keeps a copy of the old version, and the new version has a storage of its own.
 # Known limitations: temporaries of backward formulas, the unpacked values of kept tensors
-# (aliases, no memory) and the timing of frees inside a step are not modelled; kept values
-# are modelled alive for the whole pass, as the engine holds them until the region releases.
+# (aliases, no memory) and the timing of frees inside a step are not modelled.
 """
 
 from __future__ import annotations
@@ -115,7 +122,7 @@ class SimResult:
     Attributes:
         peak_bytes: highest activation memory (kept + cached + held storages).
         peak_total_bytes: highest activation + gradient memory.
-        kept_bytes: storages kept for the whole pass.
+        kept_bytes: storages of kept values some saved tensor still needs when backward starts.
         recompute_cost: summed cost of the ops run in backward.
         recomputed_ops: number of ops run in backward.
         peak_step: op index of the step where ``peak_total_bytes`` was reached (-1 if none).
@@ -144,10 +151,10 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             kept[v] = True
     storage = [v.storage for v in values]
     size = [values[s].nbytes if values[s].producer >= 0 else 0 for s in storage]
-    kept_storages = {storage[v] for v in range(nv) if kept[v] and size[v]}
-    kept_bytes = sum(values[s].nbytes for s in kept_storages)
     pending = [0] * nv
+    alive = [0] * nv  # live uses, kept values included (see rule 5)
     for _, v in g.saved:
+        alive[v] += 1
         if not kept[v]:
             pending[v] += 1
     runs = [False] * len(ops)
@@ -159,6 +166,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             cost += op.cost
             count += 1
             for i in op.inputs:
+                alive[i] += 1
                 if not kept[i]:
                     pending[i] += 1
     refs: dict[int, int] = {}
@@ -173,7 +181,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
     def acquire(v: int) -> None:
         nonlocal live
         s = storage[v]
-        if size[v] and s not in kept_storages:
+        if size[v]:
             n = refs.get(s, 0)
             refs[s] = n + 1
             if n == 0:
@@ -182,11 +190,16 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
     def release(v: int) -> None:
         nonlocal live
         s = storage[v]
-        if size[v] and s not in kept_storages:
+        if size[v]:
             n = refs[s] - 1
             refs[s] = n
             if n == 0:
                 live -= size[v]
+
+    for v in range(nv):
+        if kept[v] and alive[v] > 0:
+            acquire(v)
+    kept_bytes = live
 
     def use(v: int) -> None:
         pending[v] -= 1
@@ -196,7 +209,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
 
     def check() -> None:
         nonlocal peak, peak_total, peak_step
-        act = kept_bytes + live
+        act = live
         total = act + grads.get(step, 0)
         peak = max(peak, act)
         if total > peak_total:
@@ -289,7 +302,13 @@ def from_region(
         values.append(SimValue(inp.nbytes, -1, len(values)))
         floating.append(inp.dtype.is_floating_point)
     ops: list[SimOp] = []
+    used: set[int] = set()  # values consumed so far (ops and saves), for rule 6
+    saves = sorted(((n, id(h)) for n, h in region.saved), key=lambda e: e[0])
+    next_save = 0
     for node in region.nodes:
+        while next_save < len(saves) and saves[next_save][0] <= node.index:
+            used.add(saves[next_save][1])
+            next_save += 1
         ins = tuple(vid[id(i)] for i in node.inputs if id(i) in vid)
         outs: list[int] = []
         info = node.info
@@ -299,7 +318,9 @@ def from_region(
             v = len(values)
             vid[id(out)] = v
             root = v
-            if ins and out.is_view and not info.returns_written:
+            if (ins and out.is_view and not info.returns_written) or (
+                ins and info.returns_written and id(node.inputs[0]) not in used
+            ):
                 root = values[ins[0]].storage
             values.append(SimValue(out.nbytes, node.index, root))
             floating.append(out.dtype.is_floating_point and root == v)
@@ -313,6 +334,7 @@ def from_region(
         else:
             cost = sum(o.shape.numel() for o in node.outputs if o is not None)
         ops.append(SimOp(ins, tuple(outs), cost, info.name))
+        used.update(id(i) for i in node.inputs)
     saved: list[tuple[int, int]] = []
     last = 0
     n_ops = len(ops)
