@@ -22,13 +22,14 @@ input*, which is always kept.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch._ops import OpOverload
 
-__all__ = ["Handle", "OpInfo", "OpNode", "op_info", "version_of"]
+__all__ = ["Handle", "OpInfo", "OpNode", "arg_at", "op_info", "version_of"]
 
 # Kept reasons (``Handle.reason``); ``None`` means recomputed.
 INPUT = "input"
@@ -37,6 +38,11 @@ TAG = "tag"
 MUTATED_ALIAS = "engine: value changed by an in-place op on an alias"
 INPLACE_ON_KEPT = "engine: in-place op on a kept value"
 CLONED_BEFORE_MUTATION = "engine: copy of a kept value taken before an in-place op"
+
+
+def arg_at(args: Sequence[Any], kwargs: dict[str, Any], where: int | str) -> Any:
+    """The argument at a position (int) or keyword (str) of ``OpInfo.writes``."""
+    return args[where] if isinstance(where, int) else kwargs.get(where)
 
 
 def version_of(t: torch.Tensor) -> int:

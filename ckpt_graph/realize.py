@@ -53,7 +53,7 @@ import torch
 
 from ._debug import check_replay
 from ._errors import CkptGraphError
-from .graph import version_of
+from .graph import arg_at, version_of
 
 if TYPE_CHECKING:
     from .graph import Handle, OpNode
@@ -312,10 +312,10 @@ def run_node(region: Region, node: OpNode) -> None:
     kwargs = {k: _value(region, v) for k, v in node.kwargs.items()} if node.kwargs else {}
     info = node.info
     for w in info.writes:
-        h = node.args[w] if isinstance(w, int) else node.kwargs.get(w)
+        h = arg_at(node.args, node.kwargs, w)
         if type(h) is not Handle:
             continue
-        v = args[w] if isinstance(w, int) else kwargs[w]
+        v = arg_at(args, kwargs, w)
         alone = h.reason is None and not h.is_view and not h.has_views and h.pending <= 1
         if info.is_inplace_view:
             v = v if alone else v.as_strided(v.size(), v.stride(), v.storage_offset())

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from . import _modules, graph
 from ._debug import checksums
 from ._errors import CkptGraphError
-from .graph import Handle, OpInfo, OpNode, version_of
+from .graph import Handle, OpInfo, OpNode, arg_at, version_of
 from .hooks import pack_hook, unpack_hook_for_autograd
 from .policies._core import POLICY_NAMES, PolicyContext, PolicyFn, normalize_policy, resolve
 from .policies._core import to_decision as _to_decision
@@ -250,8 +250,8 @@ class Region:
                         self._index_storage(o)
         overwritten: Handle | None = None
         for w in info.writes:
-            t = args[w] if isinstance(w, int) else kwargs.get(w)
-            written = h_args[w] if isinstance(w, int) else h_kwargs.get(w)
+            t = arg_at(args, kwargs, w)
+            written = arg_at(h_args, h_kwargs, w)
             if not isinstance(t, torch.Tensor) or not isinstance(written, Handle):
                 continue
             if not info.silent_writes:
@@ -377,14 +377,14 @@ class Region:
         """Supersede the old versions of written arguments; return the first one's handle."""
         first: Handle | None = None
         for w in info.writes:
-            written = h_args[w] if isinstance(w, int) else h_kwargs.get(w)
+            written = arg_at(h_args, h_kwargs, w)
             if not isinstance(written, Handle):
                 continue
             written.superseded = not info.silent_writes
             if first is None:
                 first = written
             if not info.returns_written:
-                t = args[w] if isinstance(w, int) else kwargs.get(w)
+                t = arg_at(args, kwargs, w)
                 self._ids.pop(id(t), None)
         return first
 
