@@ -67,7 +67,7 @@ class Handle:
         value: the kept tensor, or ``None`` when the value is recomputed.
         reason: why the value is kept (``None`` when recomputed).
         offload_device: original device of a value kept in host memory, else ``None``.
-        shape, dtype, nbytes: metadata of the value.
+        shape, stride, dtype, device, nbytes: metadata of the value.
         is_view: the value aliases the storage of another handle (a view op output).
         has_views: some view op of the region took this value as input.
         superseded: an in-place op of the region wrote over this value; autograd saved
@@ -84,6 +84,7 @@ class Handle:
     __slots__ = (
         "__weakref__",
         "cache",
+        "device",
         "dtype",
         "has_views",
         "index",
@@ -97,6 +98,7 @@ class Handle:
         "reason",
         "ref",
         "shape",
+        "stride",
         "superseded",
         "uses",
         "value",
@@ -112,7 +114,9 @@ class Handle:
         self.reason: str | None = None
         self.offload_device: torch.device | None = None
         self.shape = t.shape
+        self.stride = t.stride()
         self.dtype = t.dtype
+        self.device = t.device
         self.nbytes: int = t.nbytes
         self.is_view = False
         self.has_views = False

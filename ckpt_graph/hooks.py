@@ -27,8 +27,20 @@ if TYPE_CHECKING:
 __all__ = ["Packed", "pack_hook", "unpack_hook", "unpack_hook_for_autograd"]
 
 
-class Packed:
-    """What autograd stores for a saved tensor of a region."""
+try:  # torch >= 2.10: objects a custom op can take, opaque to torch.compile
+    from torch._library.opaque_object import register_opaque_type as _register_opaque
+    from torch._opaque_base import OpaqueBase as _PackedBase
+except ImportError:  # pragma: no cover - older torch
+    _PackedBase = object  # type: ignore[assignment,misc]
+    _register_opaque = None  # type: ignore[assignment]
+
+
+class Packed(_PackedBase):
+    """What autograd stores for a saved tensor of a region.
+
+    An opaque object for torch.compile, so that compiled autograd can pass it to the
+    ``ckpt_graph::unpack`` op instead of tracing the engine. See Note [Compiled autograd].
+    """
 
     __slots__ = ("handle", "region")
 
@@ -64,23 +76,50 @@ def pack_hook(region: Region, t: torch.Tensor) -> Any:
 
 def unpack_hook(packed: Any) -> torch.Tensor:
     """Return the saved tensor: the kept value, or its recomputation."""
-    if type(packed) is not Packed:
-        return packed  # type: ignore[no-any-return]
-    return unpack_value(packed.region, packed.handle)
+    if type(packed) is Packed:
+        return unpack_value(packed.region, packed.handle)
+    if torch.compiler.is_compiling() and _UNPACK_OP:
+        return _UNPACK_OP[0](packed)  # type: ignore[no-any-return]
+    return packed  # type: ignore[no-any-return]
 
+
+# Note [Compiled autograd]
+# Compiled autograd turns each unpack hook call into a node of its FX backward graph and,
+# with a torch.compile backend, has dynamo trace the hook. Tracing the engine (use counts,
+# autograd engine callbacks) cannot work, and excluding the hook from dynamo makes every
+# unpack a graph break across which the compiled backward keeps all its values alive. So
+# Packed is registered as an opaque reference type, and under tracing the hook becomes one
+# call of the custom op ``ckpt_graph::unpack(Packed) -> Tensor``, whose fake implementation
+# describes the value from the handle's metadata. At run time the op realizes the handle as
+# usual, in graph order, so recomputation stays progressive. Without opaque-object support
+# (older torch), the hook is excluded from dynamo instead: exact, but not progressive.
+_UNPACK_OP: list[Any] = []
+if _register_opaque is not None:
+    _register_opaque(Packed, typ="reference")
+
+    @torch.library.custom_op("ckpt_graph::unpack", mutates_args=())
+    def _unpack_op(packed: Packed) -> torch.Tensor:
+        return unpack_value(packed.region, packed.handle)
+
+    @_unpack_op.register_fake  # type: ignore[misc]
+    def _(packed: Any) -> torch.Tensor:
+        real = getattr(packed, "real_obj", packed)
+        h = real.handle
+        return torch.empty_strided(h.shape, h.stride, dtype=h.dtype, device=h.device)
+
+    _UNPACK_OP.append(torch.ops.ckpt_graph.unpack)
 
 _compiler_safe_unpack: list[Any] = []
 
 
 def unpack_hook_for_autograd() -> Any:
-    """The unpack hook to install: excluded from dynamo once dynamo is in use.
+    """The unpack hook to install. See Note [Compiled autograd].
 
-    Under compiled autograd with a torch.compile backend, dynamo would trace the hook
-    (and fail on the engine's callbacks); excluded, it is called from the compiled
-    backward instead. Importing dynamo costs seconds, so it is only touched when the
-    program has imported it already (nothing can be compiling otherwise).
+    With opaque-object support the plain hook is traceable. Otherwise, once dynamo is
+    loaded, the hook is excluded from it (importing dynamo costs seconds, so it is only
+    touched when the program has imported it already: nothing can be compiling before).
     """
-    if "torch._dynamo" not in sys.modules:
+    if _UNPACK_OP or "torch._dynamo" not in sys.modules:
         return unpack_hook
     if not _compiler_safe_unpack:
         _compiler_safe_unpack.append(torch._dynamo.disable(unpack_hook))

@@ -92,11 +92,6 @@ def test_compiled_autograd_python_compiler() -> None:
     _check(lambda gm: gm)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug #9: dynamo traces the unpack hook (queue_callback AssertionError); with the "
-    "hook dynamo-disabled, gradients are right but graph breaks keep backward values alive",
-)
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_compiled_autograd_torch_compile_backend(backend: str) -> None:
     _check(torch.compile(backend=backend))
