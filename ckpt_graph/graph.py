@@ -67,7 +67,8 @@ class Handle:
         value: the kept tensor, or ``None`` when the value is recomputed.
         reason: why the value is kept (``None`` when recomputed).
         offload_device: original device of a value kept in host memory, else ``None``.
-        shape, stride, dtype, device, nbytes: metadata of the value.
+        shape, dtype, nbytes: metadata of the value; stride and device are filled in
+            when autograd saves it (the fake implementation of ``ckpt_graph::unpack``).
         is_view: the value aliases the storage of another handle (a view op output).
         has_views: some view op of the region took this value as input.
         superseded: an in-place op of the region wrote over this value; autograd saved
@@ -110,14 +111,14 @@ class Handle:
         self.index = index
         self.version = version_of(t)
         self.ref: weakref.ref[torch.Tensor] | None = weakref.ref(t)
+        self.shape = t.shape
+        self.dtype = t.dtype
+        self.nbytes: int = t.nbytes
         self.value: torch.Tensor | None = None
         self.reason: str | None = None
         self.offload_device: torch.device | None = None
-        self.shape = t.shape
-        self.stride = t.stride()
-        self.dtype = t.dtype
-        self.device = t.device
-        self.nbytes: int = t.nbytes
+        self.stride: tuple[int, ...] | None = None  # set when autograd saves the value
+        self.device: torch.device | None = None  # likewise
         self.is_view = False
         self.has_views = False
         self.superseded = False
@@ -248,26 +249,19 @@ class OpNode:
         realized: how many times the op ran during backward passes.
     """
 
-    __slots__ = (
-        "args",
-        "checksums",
-        "decided_by",
-        "decision",
-        "flops",
-        "index",
-        "info",
-        "inputs",
-        "kwargs",
-        "live",
-        "module_path",
-        "op",
-        "out_is_tuple",
-        "outputs",
-        "pass_id",
-        "realized",
-        "rng",
-        "stack",
-    )
+    # Class-level defaults, as for Handle: set in __init__ only what every node has.
+    outputs: tuple[Handle | None, ...] = ()
+    out_is_tuple = False
+    rng: tuple[torch.Generator, torch.Tensor] | None = None
+    decision: Any = None
+    decided_by = ""
+    module_path = ""
+    flops = -1
+    stack: str | None = None
+    checksums: tuple[tuple[float, float, float] | None, ...] | None = None
+    realized = 0
+    pass_id = -1
+    live = False
 
     def __init__(
         self,
@@ -284,18 +278,6 @@ class OpNode:
         self.args = args
         self.kwargs = kwargs
         self.inputs = inputs
-        self.outputs: tuple[Handle | None, ...] = ()
-        self.out_is_tuple = False
-        self.rng: tuple[torch.Generator, torch.Tensor] | None = None
-        self.decision: Any = None
-        self.decided_by = ""
-        self.module_path = ""
-        self.flops = -1
-        self.stack: str | None = None
-        self.checksums: tuple[tuple[float, float, float] | None, ...] | None = None
-        self.realized = 0
-        self.pass_id = -1
-        self.live = False
 
     def __repr__(self) -> str:
         return f"OpNode(#{self.index} {self.info.name})"

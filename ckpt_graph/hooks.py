@@ -70,6 +70,8 @@ def pack_hook(region: Region, t: torch.Tensor) -> Any:
         region._settle()
     h = region.handle_of(t)
     h.uses += 1
+    if h.device is None:
+        h.stride, h.device = t.stride(), t.device
     region.saved.append((len(region.nodes), h))
     return Packed(region, h)
 

@@ -44,9 +44,21 @@ from .graph import _OP_INFO, op_info
 if TYPE_CHECKING:
     from .region import Region
 
-__all__ = ["Recorder", "recorder_class"]
+__all__ = ["Recorder"]
 
 _current_task = torch._C._current_graph_task_id
+try:  # dynamo's per-thread frame callback (C functions; no import of torch._dynamo)
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _dynamo_callback
+    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
+except ImportError:  # pragma: no cover - builds without dynamo
+
+    def _dynamo_callback() -> Any:  # type: ignore[misc]
+        return None
+
+    def _set_eval_frame(callback: Any) -> Any:  # type: ignore[misc]
+        return None
+
+
 _ONES_LIKE = torch.ops.aten.ones_like.default
 
 
@@ -72,9 +84,9 @@ class Recorder(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch wraps __torch_dispatch__ in torch._disable_dynamo by default, which costs
-        # several microseconds per op. It is only needed when dynamo may be compiling (its
-        # frame callback would otherwise compile the recorder's own frames): see
-        # recorder_class().
+        # microseconds per op. The recorder only needs it while dynamo's frame callback is
+        # set in this thread (a compiled caller: dynamo would compile the recorder's own
+        # frames), and checks that itself in a few nanoseconds.
         return False
 
     def __torch_dispatch__(
@@ -86,48 +98,31 @@ class Recorder(TorchDispatchMode):
     ) -> Any:
         if kwargs is None:
             kwargs = {}
-        region = self.region
-        # Backward run inside the region, and the region's own recompute, are not recorded.
-        if (
-            not region._recording
-            or _current_task() != region._task
-            or (func is _ONES_LIKE and _seed_gradient())
-        ):
-            return func(*args, **kwargs)
-        if region._unsettled:
-            region._settle()
-        info = _OP_INFO.get(func) or op_info(func)
-        region._op_name = info.name
-        h_args, h_kwargs, inputs = region._scan(args, kwargs)
-        overwritten = (
-            region._before_write(info, args, kwargs, h_args, h_kwargs) if info.writes else None
-        )
-        rng = region._capture_rng(args, kwargs) if info.is_random else None
-        out = func(*args, **kwargs)
-        region._record(func, info, h_args, h_kwargs, inputs, out, rng, args, kwargs, overwritten)
-        return out
+        if _dynamo_callback() is not None:
+            prior = _set_eval_frame(None)
+            try:
+                return _record_op(self.region, func, args, kwargs)
+            finally:
+                _set_eval_frame(prior)
+        return _record_op(self.region, func, args, kwargs)
 
 
-_compile_safe: list[type[Recorder]] = []
-
-
-def recorder_class() -> type[Recorder]:
-    """The recorder to use: excluded from dynamo once dynamo is loaded.
-
-    Without dynamo loaded nothing can be compiling, and the plain recorder skips torch's
-    per-op ``_disable_dynamo`` wrapper (importing dynamo just to check costs seconds).
-    """
-    if "torch._dynamo" not in sys.modules:
-        return Recorder
-    if not _compile_safe:
-
-        class CompileSafeRecorder(Recorder):
-            @classmethod
-            def _should_skip_dynamo(cls) -> bool:
-                return True
-
-            # Redefined here so that TorchDispatchMode.__init_subclass__ wraps it.
-            __torch_dispatch__ = Recorder.__torch_dispatch__
-
-        _compile_safe.append(CompileSafeRecorder)
-    return _compile_safe[0]
+def _record_op(region: Region, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # Backward run inside the region, and the region's own recompute, are not recorded.
+    if (
+        not region._recording
+        or _current_task() != region._task
+        or (func is _ONES_LIKE and _seed_gradient())
+    ):
+        return func(*args, **kwargs)
+    if region._unsettled:
+        region._settle()
+    info = _OP_INFO.get(func) or op_info(func)
+    h_args, h_kwargs, inputs = region._scan(args, kwargs)
+    overwritten = (
+        region._before_write(info, args, kwargs, h_args, h_kwargs) if info.writes else None
+    )
+    rng = region._capture_rng(args, kwargs) if info.is_random else None
+    out = func(*args, **kwargs)
+    region._record(func, info, h_args, h_kwargs, inputs, out, rng, args, kwargs, overwritten)
+    return out

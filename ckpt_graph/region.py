@@ -24,7 +24,7 @@ from .hooks import pack_hook, unpack_hook_for_autograd
 from .policies._core import POLICY_NAMES, PolicyContext, PolicyFn, normalize_policy, resolve
 from .policies._core import to_decision as _to_decision
 from .realize import PassState, count_live_uses, exact_copy, lose_use
-from .record import recorder_class
+from .record import Recorder
 
 __all__ = ["Region", "checkpoint", "current_region", "save_recompute_policy", "tag_with_policy"]
 
@@ -82,7 +82,6 @@ class Region:
         self._by_storage: dict[int, list[Handle]] | None = None
         self._unsettled: list[Handle] = []
         self._recording = False
-        self._op_name = "tag_with_policy"
         self._open = False
         self._closed = False
         self._task = -1
@@ -107,7 +106,7 @@ class Region:
         hooks = torch.autograd.graph.saved_tensors_hooks(
             lambda t: pack_hook(self, t), unpack_hook_for_autograd()
         )
-        recorder = recorder_class()(self)
+        recorder = Recorder(self)
         hooks.__enter__()
         recorder.__enter__()
         self._exits = [recorder, hooks]
@@ -173,7 +172,11 @@ class Region:
         """The handle of the value ``t`` holds now; a new kept input handle if unseen."""
         old = self._ids.get(id(t))
         if old is not None and old.ref is not None and old.ref() is t:
-            if old.version == version_of(t):
+            try:  # inlined version_of(): this runs for every tensor argument
+                version = t._version
+            except RuntimeError:
+                version = 0
+            if old.version == version:
                 return old
             reason = graph.MUTATED_ALIAS
         else:
@@ -327,8 +330,10 @@ class Region:
             return  # no tensor output (item(), sizes): nothing to recompute
         index = len(self.nodes)
         node = OpNode(index, op, info, h_args, h_kwargs, inputs)
-        node.out_is_tuple = is_tuple
-        node.rng = rng
+        if is_tuple:
+            node.out_is_tuple = True
+        if rng is not None:
+            node.rng = rng
         for h in inputs:
             h.uses += 1
         previous: Handle | None = None
@@ -397,8 +402,16 @@ class Region:
         overwritten: Handle | None,
         outs: Any,
     ) -> None:
-        if self._constant is not None:
-            decision, by = self._constant, "policy"
+        decision = self._constant
+        if decision is CheckpointPolicy.PREFER_RECOMPUTE and overwritten is None:
+            # Fast path: "recompute_all" alone, an op that needs nothing kept.
+            node.decision = decision
+            node.decided_by = "policy"
+            node.module_path = self._modules.current_path
+            if not node.info.is_random or node.rng is not None:
+                return
+        if decision is not None:
+            by = "policy"
         else:
             ctx = self._ctx
             assert ctx is not None
