@@ -7,8 +7,8 @@ stdout. Progress and the scripts' stderr go to stderr.
 Usage:
     python benchmarks/run_all.py                       # everything, markdown on stdout
     python benchmarks/run_all.py --out BENCH_RUN.md    # also write it to a file
-    python benchmarks/run_all.py --only compare --out benchmarks/results_compare.md
-    python benchmarks/run_all.py --only overhead --out benchmarks/results_overhead.md
+    python benchmarks/run_all.py --only compare --out BENCH_RUN.md
+    python benchmarks/run_all.py --only overhead --out BENCH_RUN.md
     python benchmarks/run_all.py --only compare --compare-args "" --compare-args "--model cnn"
 """
 
