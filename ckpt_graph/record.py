@@ -39,12 +39,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .graph import _OP_INFO, op_info
+from .graph import _OP_INFO, Handle, OpInfo, arg_at, op_info
+from .realize import exact_copy
 
 if TYPE_CHECKING:
     from .region import Region
 
-__all__ = ["Recorder"]
+__all__ = [
+    "Recorder",
+    "before_write",
+    "capture_rng",
+    "index_storage",
+    "mark_written",
+    "supersede_view_bases",
+]
 
 _current_task = torch._C._current_graph_task_id
 try:  # dynamo's per-thread frame callback (C functions; no import of torch._dynamo)
@@ -120,9 +128,126 @@ def _record_op(region: Region, func: Any, args: tuple[Any, ...], kwargs: dict[st
     info = _OP_INFO.get(func) or op_info(func)
     h_args, h_kwargs, inputs = region._scan(args, kwargs)
     overwritten = (
-        region._before_write(info, args, kwargs, h_args, h_kwargs) if info.writes else None
+        before_write(region, info, args, kwargs, h_args, h_kwargs) if info.writes else None
     )
-    rng = region._capture_rng(args, kwargs) if info.is_random else None
+    rng = capture_rng(args, kwargs) if info.is_random else None
     out = func(*args, **kwargs)
     region._record(func, info, h_args, h_kwargs, inputs, out, rng, args, kwargs, overwritten)
     return out
+
+
+# ----------------------------------------------------------------- mutation
+# See Note [Mutation and views].
+
+
+def index_storage(region: Region, h: Handle) -> None:
+    """Add a kept value to the region's storage index (see ``before_write``)."""
+    assert region._by_storage is not None
+    if h.value is not None and h.offload_device is None:
+        key = h.value.untyped_storage().data_ptr()
+        if key:
+            region._by_storage.setdefault(key, []).append(h)
+
+
+def before_write(
+    region: Region,
+    info: OpInfo,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    h_args: tuple[Any, ...],
+    h_kwargs: dict[str, Any],
+) -> Handle | None:
+    """Copy kept values an in-place op is about to change. See Note [Mutation and views].
+
+    Returns:
+        The written argument's kept handle if it is overwritten without a copy (its
+        new version must then be kept), else ``None``.
+    """
+    if region._by_storage is None:
+        region._by_storage = {}
+        for h in region.inputs:
+            index_storage(region, h)
+        for node in region.nodes:
+            for o in node.outputs:
+                if o is not None and o.value is not None:
+                    index_storage(region, o)
+    overwritten: Handle | None = None
+    for w in info.writes:
+        t = arg_at(args, kwargs, w)
+        written = arg_at(h_args, h_kwargs, w)
+        if not isinstance(t, torch.Tensor) or not isinstance(written, Handle):
+            continue
+        if not info.silent_writes:
+            supersede_view_bases(region, written)
+        key = t.untyped_storage().data_ptr()
+        entries = region._by_storage.pop(key, None)
+        if not entries:
+            continue
+        for k in entries:
+            if k.value is None:
+                continue
+            if k is not written and not info.silent_writes:
+                k.superseded = True  # an alias: it shares the version counter
+            if k is written and k.uses == 0 and info.returns_written:
+                overwritten = k  # rule 4: its new version keeps the tensor
+                continue
+            if k.uses == 0 and (k is not written or info.returns_written):
+                continue  # nobody needs the old value (this op does if it has other outputs)
+            k.value = exact_copy(k.value)
+            k.version = k.value._version
+            k.ref = None
+            index_storage(region, k)
+    return overwritten
+
+
+def supersede_view_bases(region: Region, h: Handle) -> None:
+    """A write through a view changes the values of the view's bases too."""
+    while h.is_view and h.node_index >= 0:
+        inputs = region.nodes[h.node_index].inputs
+        if not inputs:
+            break
+        h = inputs[0]
+        h.superseded = True
+
+
+def mark_written(
+    region: Region,
+    info: OpInfo,
+    h_args: tuple[Any, ...],
+    h_kwargs: dict[str, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Handle | None:
+    """Supersede the old versions of written arguments; return the first one's handle."""
+    first: Handle | None = None
+    for w in info.writes:
+        written = arg_at(h_args, h_kwargs, w)
+        if not isinstance(written, Handle):
+            continue
+        written.superseded = not info.silent_writes
+        if first is None:
+            first = written
+        if not info.returns_written:
+            t = arg_at(args, kwargs, w)
+            region._ids.pop(id(t), None)
+    return first
+
+
+def capture_rng(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.Generator, torch.Tensor] | None:
+    """Generator state just before a random op runs. See Note [RNG replay]."""
+    gen = kwargs.get("generator")
+    if gen is None:
+        device = kwargs.get("device")
+        if device is None:
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        if device.type == "cpu":
+            gen = torch.default_generator
+        elif device.type == "cuda":
+            idx = device.index if device.index is not None else torch.cuda.current_device()
+            gen = torch.cuda.default_generators[idx]
+        else:
+            return None  # no replay known for this device: outputs are kept
+    return gen, gen.get_state()

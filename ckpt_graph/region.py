@@ -19,12 +19,12 @@ from torch.utils.checkpoint import CheckpointPolicy
 from . import _modules, graph
 from ._debug import checksums
 from ._errors import CkptGraphError
-from .graph import Handle, OpInfo, OpNode, arg_at, version_of
+from .graph import Handle, OpInfo, OpNode, version_of
 from .hooks import pack_hook, unpack_hook_for_autograd
 from .policies._core import POLICY_NAMES, PolicyContext, PolicyFn, normalize_policy, resolve
 from .policies._core import to_decision as _to_decision
-from .realize import PassState, count_live_uses, exact_copy, lose_use
-from .record import Recorder
+from .realize import PassState, count_live_uses, lose_use
+from .record import Recorder, index_storage, mark_written
 
 __all__ = ["Region", "checkpoint", "current_region", "save_recompute_policy", "tag_with_policy"]
 
@@ -186,7 +186,7 @@ class Region:
         self.inputs.append(h)
         self._ids[id(t)] = h
         if self._by_storage is not None:
-            self._index_storage(h)
+            index_storage(self, h)
         return h
 
     def _scan(
@@ -221,93 +221,7 @@ class Region:
             return self._scan_list(a, inputs)
         return a
 
-    # ----------------------------------------------------------------- mutation
-    def _index_storage(self, h: Handle) -> None:
-        assert self._by_storage is not None
-        if h.value is not None and h.offload_device is None:
-            key = h.value.untyped_storage().data_ptr()
-            if key:
-                self._by_storage.setdefault(key, []).append(h)
-
-    def _before_write(
-        self,
-        info: OpInfo,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        h_args: tuple[Any, ...],
-        h_kwargs: dict[str, Any],
-    ) -> Handle | None:
-        """Copy kept values an in-place op is about to change. See Note [Mutation and views].
-
-        Returns:
-            The written argument's kept handle if it is overwritten without a copy (its
-            new version must then be kept), else ``None``.
-        """
-        if self._by_storage is None:
-            self._by_storage = {}
-            for h in self.inputs:
-                self._index_storage(h)
-            for node in self.nodes:
-                for o in node.outputs:
-                    if o is not None and o.value is not None:
-                        self._index_storage(o)
-        overwritten: Handle | None = None
-        for w in info.writes:
-            t = arg_at(args, kwargs, w)
-            written = arg_at(h_args, h_kwargs, w)
-            if not isinstance(t, torch.Tensor) or not isinstance(written, Handle):
-                continue
-            if not info.silent_writes:
-                self._supersede_view_bases(written)
-            key = t.untyped_storage().data_ptr()
-            entries = self._by_storage.pop(key, None)
-            if not entries:
-                continue
-            for k in entries:
-                if k.value is None:
-                    continue
-                if k is not written and not info.silent_writes:
-                    k.superseded = True  # an alias: it shares the version counter
-                if k is written and k.uses == 0 and info.returns_written:
-                    overwritten = k  # rule 4: its new version keeps the tensor
-                    continue
-                if k.uses == 0 and (k is not written or info.returns_written):
-                    continue  # nobody needs the old value (this op does if it has other outputs)
-                k.value = exact_copy(k.value)
-                k.version = k.value._version
-                k.ref = None
-                self._index_storage(k)
-        return overwritten
-
-    def _supersede_view_bases(self, h: Handle) -> None:
-        """A write through a view changes the values of the view's bases too."""
-        while h.is_view and h.node_index >= 0:
-            inputs = self.nodes[h.node_index].inputs
-            if not inputs:
-                break
-            h = inputs[0]
-            h.superseded = True
-
     # ----------------------------------------------------------------- recording
-    def _capture_rng(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[torch.Generator, torch.Tensor] | None:
-        """Generator state just before a random op runs. See Note [RNG replay]."""
-        gen = kwargs.get("generator")
-        if gen is None:
-            device = kwargs.get("device")
-            if device is None:
-                device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-            device = torch.device(device) if device is not None else torch.get_default_device()
-            if device.type == "cpu":
-                gen = torch.default_generator
-            elif device.type == "cuda":
-                idx = device.index if device.index is not None else torch.cuda.current_device()
-                gen = torch.cuda.default_generators[idx]
-            else:
-                return None  # no replay known for this device: outputs are kept
-        return gen, gen.get_state()
-
     def _record(
         self,
         op: Any,
@@ -338,7 +252,7 @@ class Region:
             h.uses += 1
         previous: Handle | None = None
         if info.writes:
-            previous = self._mark_written(info, h_args, h_kwargs, args, kwargs)
+            previous = mark_written(self, info, h_args, h_kwargs, args, kwargs)
         ids = self._ids
         if not is_tuple and not info.writes and not info.view_outputs:
             h = Handle(out, index, 0)  # the common case: one fresh tensor
@@ -370,28 +284,6 @@ class Region:
             node.checksums = checksums(outs)
         self.nodes.append(node)
         self._decide(node, out, args, kwargs, overwritten, outs)
-
-    def _mark_written(
-        self,
-        info: OpInfo,
-        h_args: tuple[Any, ...],
-        h_kwargs: dict[str, Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Handle | None:
-        """Supersede the old versions of written arguments; return the first one's handle."""
-        first: Handle | None = None
-        for w in info.writes:
-            written = arg_at(h_args, h_kwargs, w)
-            if not isinstance(written, Handle):
-                continue
-            written.superseded = not info.silent_writes
-            if first is None:
-                first = written
-            if not info.returns_written:
-                t = arg_at(args, kwargs, w)
-                self._ids.pop(id(t), None)
-        return first
 
     def _decide(
         self,
@@ -445,7 +337,7 @@ class Region:
                 # with the kept value it overwrote.
                 self.kept_bytes += h.nbytes
             if self._by_storage is not None:
-                self._index_storage(h)
+                index_storage(self, h)
 
     def _keep(self, h: Handle, t: torch.Tensor, reason: str, offload: bool | None) -> None:
         if offload and t.device.type != "cpu":
@@ -520,7 +412,7 @@ class Region:
                 self._keep(h, t, graph.TAG, _KEEP[decision])
                 self.kept_bytes += 0 if h.is_view else h.nbytes
                 if self._by_storage is not None:
-                    self._index_storage(h)
+                    index_storage(self, h)
             else:
                 h.reason = graph.TAG
         elif h.kept:
