@@ -34,23 +34,31 @@
 from __future__ import annotations
 
 import sys
+import traceback
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy
 
-from .graph import _OP_INFO, Handle, OpInfo, arg_at, op_info
+from . import graph
+from ._debug import checksums
+from .graph import _OP_INFO, Handle, OpInfo, OpNode, arg_at, op_info
+from .policies._core import resolve
 from .realize import exact_copy
 
 if TYPE_CHECKING:
     from .region import Region
 
 __all__ = [
+    "KEEP",
     "Recorder",
     "before_write",
     "capture_rng",
+    "decide",
     "index_storage",
     "mark_written",
+    "record_node",
     "supersede_view_bases",
 ]
 
@@ -68,6 +76,14 @@ except ImportError:  # pragma: no cover - builds without dynamo
 
 
 _ONES_LIKE = torch.ops.aten.ones_like.default
+
+# Decisions that keep a value, and whether they keep it in host memory.
+KEEP = {
+    CheckpointPolicy.MUST_SAVE: False,
+    CheckpointPolicy.PREFER_SAVE: False,
+    CheckpointPolicy.MUST_CPU_OFFLOAD: True,
+    CheckpointPolicy.PREFER_CPU_OFFLOAD: True,
+}
 
 
 def _seed_gradient() -> bool:
@@ -132,7 +148,7 @@ def _record_op(region: Region, func: Any, args: tuple[Any, ...], kwargs: dict[st
     )
     rng = capture_rng(args, kwargs) if info.is_random else None
     out = func(*args, **kwargs)
-    region._record(func, info, h_args, h_kwargs, inputs, out, rng, args, kwargs, overwritten)
+    record_node(region, func, info, h_args, h_kwargs, inputs, out, rng, args, kwargs, overwritten)
     return out
 
 
@@ -251,3 +267,125 @@ def capture_rng(
         else:
             return None  # no replay known for this device: outputs are kept
     return gen, gen.get_state()
+
+
+# ----------------------------------------------------------------- op nodes
+
+
+def record_node(
+    region: Region,
+    op: Any,
+    info: OpInfo,
+    h_args: tuple[Any, ...],
+    h_kwargs: dict[str, Any],
+    inputs: tuple[Handle, ...],
+    out: Any,
+    rng: tuple[torch.Generator, torch.Tensor] | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    overwritten: Handle | None,
+) -> None:
+    if isinstance(out, torch.Tensor):
+        outs: tuple[Any, ...] | list[Any] = (out,)
+        is_tuple = False
+    elif isinstance(out, (tuple, list)):
+        outs, is_tuple = out, True
+    else:
+        return  # no tensor output (item(), sizes): nothing to recompute
+    index = len(region.nodes)
+    node = OpNode(index, op, info, h_args, h_kwargs, inputs)
+    if is_tuple:
+        node.out_is_tuple = True
+    if rng is not None:
+        node.rng = rng
+    for h in inputs:
+        h.uses += 1
+    previous: Handle | None = None
+    if info.writes:
+        previous = mark_written(region, info, h_args, h_kwargs, args, kwargs)
+    ids = region._ids
+    if not is_tuple and not info.writes and not info.view_outputs:
+        h = Handle(out, index, 0)  # the common case: one fresh tensor
+        ids[id(out)] = h
+        node.outputs = (h,)
+    else:
+        handles: list[Handle | None] = []
+        for j, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor):
+                handles.append(None)
+                continue
+            h = Handle(o, index, j)
+            if info.returns_written:
+                h.version = -1
+                region._unsettled.append(h)
+                if previous is not None:
+                    h.is_view, h.has_views = previous.is_view, previous.has_views
+            elif info.view_outputs:
+                h.version = -1
+                region._unsettled.append(h)
+                h.is_view = True
+                if inputs:
+                    inputs[0].has_views = True
+            ids[id(o)] = h
+            handles.append(h)
+        node.outputs = tuple(handles)
+    if region.debug:
+        node.stack = "".join(traceback.format_stack(limit=14)[:-4])
+        node.checksums = checksums(outs)
+    region.nodes.append(node)
+    decide(region, node, out, args, kwargs, overwritten, outs)
+
+
+def decide(
+    region: Region,
+    node: OpNode,
+    out: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    overwritten: Handle | None,
+    outs: Any,
+) -> None:
+    decision = region._constant
+    if decision is CheckpointPolicy.PREFER_RECOMPUTE and overwritten is None:
+        # Fast path: "recompute_all" alone, an op that needs nothing kept.
+        node.decision = decision
+        node.decided_by = "policy"
+        node.module_path = region._modules.current_path
+        if not node.info.is_random or node.rng is not None:
+            return
+    if decision is not None:
+        by = "policy"
+    else:
+        ctx = region._ctx
+        assert ctx is not None
+        ctx._set(node.index, node.op, node.info, out, args, kwargs)
+        region._recording = False  # a policy's own tensor ops are not part of the region
+        try:
+            decision, by = resolve(region._policies, ctx, out, node.op, args, kwargs)
+        finally:
+            region._recording = True
+            ctx._clear()
+    node.decision = decision
+    node.decided_by = by
+    node.module_path = region._modules.current_path
+    keep = decision in KEEP
+    if not keep and overwritten is None:
+        if not node.info.is_random or node.rng is not None:
+            return
+        keep = True  # no generator replay for this device
+    for o, h in zip(outs, node.outputs, strict=True):
+        if h is None:
+            continue
+        if overwritten is not None:
+            h.keep(region._detached(o), graph.INPLACE_ON_KEPT)
+            overwritten.value = None  # superseded: nobody used the old version
+        elif keep:
+            region._keep(h, o, graph.POLICY, KEEP.get(decision, False))
+        else:
+            continue
+        if not h.is_view and overwritten is None:
+            # A view's bytes belong to its base; an in-place version's were counted
+            # with the kept value it overwrote.
+            region.kept_bytes += h.nbytes
+        if region._by_storage is not None:
+            index_storage(region, h)

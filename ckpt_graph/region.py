@@ -9,7 +9,6 @@ saved-tensor hooks pack handles instead of tensors (see ``hooks.py``).
 from __future__ import annotations
 
 import threading
-import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -17,25 +16,18 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import _modules, graph
-from ._debug import checksums
 from ._errors import CkptGraphError
-from .graph import Handle, OpInfo, OpNode, version_of
+from .graph import Handle, OpNode, version_of
 from .hooks import pack_hook, unpack_hook_for_autograd
 from .policies._core import POLICY_NAMES, PolicyContext, PolicyFn, normalize_policy, resolve
 from .policies._core import to_decision as _to_decision
 from .realize import PassState, count_live_uses, lose_use
-from .record import Recorder, index_storage, mark_written
+from .record import KEEP as _KEEP
+from .record import Recorder, index_storage
 
 __all__ = ["Region", "checkpoint", "current_region", "save_recompute_policy", "tag_with_policy"]
 
 T = TypeVar("T")
-
-_KEEP = {
-    CheckpointPolicy.MUST_SAVE: False,
-    CheckpointPolicy.PREFER_SAVE: False,
-    CheckpointPolicy.MUST_CPU_OFFLOAD: True,
-    CheckpointPolicy.PREFER_CPU_OFFLOAD: True,
-}
 
 _tls = threading.local()
 _DK = torch._C.DispatchKey
@@ -222,123 +214,6 @@ class Region:
         return a
 
     # ----------------------------------------------------------------- recording
-    def _record(
-        self,
-        op: Any,
-        info: OpInfo,
-        h_args: tuple[Any, ...],
-        h_kwargs: dict[str, Any],
-        inputs: tuple[Handle, ...],
-        out: Any,
-        rng: tuple[torch.Generator, torch.Tensor] | None,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        overwritten: Handle | None,
-    ) -> None:
-        if isinstance(out, torch.Tensor):
-            outs: tuple[Any, ...] | list[Any] = (out,)
-            is_tuple = False
-        elif isinstance(out, (tuple, list)):
-            outs, is_tuple = out, True
-        else:
-            return  # no tensor output (item(), sizes): nothing to recompute
-        index = len(self.nodes)
-        node = OpNode(index, op, info, h_args, h_kwargs, inputs)
-        if is_tuple:
-            node.out_is_tuple = True
-        if rng is not None:
-            node.rng = rng
-        for h in inputs:
-            h.uses += 1
-        previous: Handle | None = None
-        if info.writes:
-            previous = mark_written(self, info, h_args, h_kwargs, args, kwargs)
-        ids = self._ids
-        if not is_tuple and not info.writes and not info.view_outputs:
-            h = Handle(out, index, 0)  # the common case: one fresh tensor
-            ids[id(out)] = h
-            node.outputs = (h,)
-        else:
-            handles: list[Handle | None] = []
-            for j, o in enumerate(outs):
-                if not isinstance(o, torch.Tensor):
-                    handles.append(None)
-                    continue
-                h = Handle(o, index, j)
-                if info.returns_written:
-                    h.version = -1
-                    self._unsettled.append(h)
-                    if previous is not None:
-                        h.is_view, h.has_views = previous.is_view, previous.has_views
-                elif info.view_outputs:
-                    h.version = -1
-                    self._unsettled.append(h)
-                    h.is_view = True
-                    if inputs:
-                        inputs[0].has_views = True
-                ids[id(o)] = h
-                handles.append(h)
-            node.outputs = tuple(handles)
-        if self.debug:
-            node.stack = "".join(traceback.format_stack(limit=14)[:-4])
-            node.checksums = checksums(outs)
-        self.nodes.append(node)
-        self._decide(node, out, args, kwargs, overwritten, outs)
-
-    def _decide(
-        self,
-        node: OpNode,
-        out: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        overwritten: Handle | None,
-        outs: Any,
-    ) -> None:
-        decision = self._constant
-        if decision is CheckpointPolicy.PREFER_RECOMPUTE and overwritten is None:
-            # Fast path: "recompute_all" alone, an op that needs nothing kept.
-            node.decision = decision
-            node.decided_by = "policy"
-            node.module_path = self._modules.current_path
-            if not node.info.is_random or node.rng is not None:
-                return
-        if decision is not None:
-            by = "policy"
-        else:
-            ctx = self._ctx
-            assert ctx is not None
-            ctx._set(node.index, node.op, node.info, out, args, kwargs)
-            self._recording = False  # a policy's own tensor ops are not part of the region
-            try:
-                decision, by = resolve(self._policies, ctx, out, node.op, args, kwargs)
-            finally:
-                self._recording = True
-                ctx._clear()
-        node.decision = decision
-        node.decided_by = by
-        node.module_path = self._modules.current_path
-        keep = decision in _KEEP
-        if not keep and overwritten is None:
-            if not node.info.is_random or node.rng is not None:
-                return
-            keep = True  # no generator replay for this device
-        for o, h in zip(outs, node.outputs, strict=True):
-            if h is None:
-                continue
-            if overwritten is not None:
-                h.keep(self._detached(o), graph.INPLACE_ON_KEPT)
-                overwritten.value = None  # superseded: nobody used the old version
-            elif keep:
-                self._keep(h, o, graph.POLICY, _KEEP.get(decision, False))
-            else:
-                continue
-            if not h.is_view and overwritten is None:
-                # A view's bytes belong to its base; an in-place version's were counted
-                # with the kept value it overwrote.
-                self.kept_bytes += h.nbytes
-            if self._by_storage is not None:
-                index_storage(self, h)
-
     def _keep(self, h: Handle, t: torch.Tensor, reason: str, offload: bool | None) -> None:
         if offload and t.device.type != "cpu":
             h.offload_device = t.device
