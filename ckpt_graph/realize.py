@@ -155,7 +155,8 @@ def _release_use(state: PassState, h: Handle) -> None:
     h.pending -= 1
     if h.pending <= 0 and h.cache is not None:
         h.cache = None
-        state.cached_bytes -= h.nbytes
+        if not h.is_view:  # a view's bytes belong to its base
+            state.cached_bytes -= h.nbytes
 
 
 def count_live_uses(region: Region) -> None:
@@ -349,7 +350,8 @@ def run_node(region: Region, node: OpNode) -> None:
     for o, v in zip(node.outputs, outs, strict=True):
         if o is not None and o.reason is None and o.pending > 0:
             o.cache = v
-            state.cached_bytes += o.nbytes
+            if not o.is_view:
+                state.cached_bytes += o.nbytes
     if state.cached_bytes > state.peak_cached_bytes:
         state.peak_cached_bytes = state.cached_bytes
     for i in node.inputs:
