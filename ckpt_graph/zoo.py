@@ -303,28 +303,20 @@ def build_workload(
             return F.cross_entropy(out.flatten(0, 1).float(), target.flatten())
 
         return Workload(name, model, blocks, inputs, gpt_loss, True, sizes)
-    if name == "mlp":
-        model = ResidualMLP(width, layers).to(device=device, dtype=dtype)
-        x = torch.randn(batch, width, generator=gen).to(device=device, dtype=dtype)
+    if name in ("mlp", "cnn"):
+        if name == "mlp":
+            model = ResidualMLP(width, layers)
+            x = torch.randn(batch, width, generator=gen)
+        else:
+            model = ConvNet(width, layers)
+            x = torch.randn(batch, 3, seq_len, seq_len, generator=gen)
+        model = model.to(device=device, dtype=dtype)
         y = torch.randint(0, 10, (batch,), generator=gen).to(device)
         return Workload(
             name,
             model,
-            list(model.blocks),
-            (x,),
-            _ce_loss(y),
-            True,
-            sizes,  # type: ignore[arg-type]
-        )
-    if name == "cnn":
-        model = ConvNet(width, layers).to(device=device, dtype=dtype)
-        x = torch.randn(batch, 3, seq_len, seq_len, generator=gen).to(device=device, dtype=dtype)
-        y = torch.randint(0, 10, (batch,), generator=gen).to(device)
-        return Workload(
-            name,
-            model,
-            list(model.blocks),
-            (x,),
+            list(model.blocks),  # type: ignore[arg-type]
+            (x.to(device=device, dtype=dtype),),
             _ce_loss(y),
             True,
             sizes,  # type: ignore[arg-type]

@@ -31,29 +31,15 @@ _MUST_SAVE = CheckpointPolicy.MUST_SAVE
 _PREFER_SAVE = CheckpointPolicy.PREFER_SAVE
 
 
-class first_answer(Policy):
-    """Ask the policies in order; the first answer that is not None wins.
-
-    String names ("recompute_all", "must_save_all") are accepted in place of policies.
-
-    Example:
-        >>> aten = torch.ops.aten
-        >>> p = first_answer(save_ops(aten.mm, rest=None), recompute_ops(aten.gelu), "must_save_all")
-        >>> # mm kept (MUST_SAVE), gelu recomputed, every other op kept (MUST_SAVE)
-    """
+class _Combinator(Policy):
+    """A policy made of member policies: shared construction, repr and region events."""
 
     def __init__(self, *policies: PolicyLike) -> None:
+        name = type(self).__name__
         if not policies:
-            raise ValueError("first_answer: needs at least one policy")
+            raise ValueError(f"{name}: needs at least one policy")
         self._given = policies
-        self._policies = tuple(_resolve(p, "first_answer") for p in policies)
-
-    def __call__(self, ctx: Any, out: Any, op: OpOverload, *args: Any, **kwargs: Any) -> Answer:
-        for policy in self._policies:
-            answer = policy(ctx, out, op, *args, **kwargs)
-            if answer is not None:
-                return _normalise(answer)
-        return None
+        self._policies = tuple(_resolve(p, name) for p in policies)
 
     def _repr_args(self) -> str:
         return ", ".join(repr(p) for p in self._given)
@@ -65,7 +51,26 @@ class first_answer(Policy):
         _forward_event(self._policies, "on_region_exit", region)
 
 
-class any_save(Policy):
+class first_answer(_Combinator):
+    """Ask the policies in order; the first answer that is not None wins.
+
+    String names ("recompute_all", "must_save_all") are accepted in place of policies.
+
+    Example:
+        >>> aten = torch.ops.aten
+        >>> p = first_answer(save_ops(aten.mm, rest=None), recompute_ops(aten.gelu), "must_save_all")
+        >>> # mm kept (MUST_SAVE), gelu recomputed, every other op kept (MUST_SAVE)
+    """
+
+    def __call__(self, ctx: Any, out: Any, op: OpOverload, *args: Any, **kwargs: Any) -> Answer:
+        for policy in self._policies:
+            answer = policy(ctx, out, op, *args, **kwargs)
+            if answer is not None:
+                return _normalise(answer)
+        return None
+
+
+class any_save(_Combinator):
     """Keep an op's outputs if any policy says save; otherwise the first other answer.
 
     Every policy is asked. If any answers MUST_SAVE (or True) the result is MUST_SAVE, else if
@@ -81,12 +86,6 @@ class any_save(Policy):
         >>> # first); everything else recomputed (save_ops' rest)
     """
 
-    def __init__(self, *policies: PolicyLike) -> None:
-        if not policies:
-            raise ValueError("any_save: needs at least one policy")
-        self._given = policies
-        self._policies = tuple(_resolve(p, "any_save") for p in policies)
-
     def __call__(self, ctx: Any, out: Any, op: OpOverload, *args: Any, **kwargs: Any) -> Answer:
         first: CheckpointPolicy | None = None
         prefer_save = False
@@ -99,15 +98,6 @@ class any_save(Policy):
             elif first is None:
                 first = answer
         return _PREFER_SAVE if prefer_save else first
-
-    def _repr_args(self) -> str:
-        return ", ".join(repr(p) for p in self._given)
-
-    def on_region_enter(self, region: Any) -> None:
-        _forward_event(self._policies, "on_region_enter", region)
-
-    def on_region_exit(self, region: Any) -> None:
-        _forward_event(self._policies, "on_region_exit", region)
 
 
 def _forward_event(policies: Iterable[object], name: str, region: Any) -> None:
