@@ -80,6 +80,10 @@ class Handle:
         pending: per backward pass, users that still need the value (see Note [Use counts
             and freeing]).
         cache: per backward pass, the recomputed value while ``pending > 0``.
+        transient: per backward pass, a cheap value recomputed at each use instead of
+            cached between uses (see Note [Transient values]).
+        pins: per backward pass, op nodes waiting to run that need the cached value of a
+            transient handle.
     """
 
     __slots__ = (
@@ -96,11 +100,13 @@ class Handle:
         "offload_device",
         "packs",
         "pending",
+        "pins",
         "reason",
         "ref",
         "shape",
         "stride",
         "superseded",
+        "transient",
         "uses",
         "value",
         "version",
@@ -127,6 +133,8 @@ class Handle:
         self.live = 0
         self.pending = 0
         self.cache: torch.Tensor | None = None
+        self.transient = False
+        self.pins = 0
 
     @property
     def kept(self) -> bool:
@@ -160,6 +168,7 @@ class OpInfo:
         view_outputs: indices of returns that are views of an input (``Tensor(a)``).
         is_random: the op draws from a random generator.
         is_inplace_view: the op changes only the metadata of its input (``t_``).
+        is_pointwise: the op is elementwise (``torch.Tag.pointwise``): cheap to run again.
         silent_writes: the writes are not in the schema and bump no version counter (CPU
             ``native_batch_norm``): eager autograd cannot see them, so neither do saved
             tensors of the old value.
@@ -172,6 +181,7 @@ class OpInfo:
     is_random: bool
     is_inplace_view: bool
     silent_writes: bool = False
+    is_pointwise: bool = False
 
     @property
     def is_inplace(self) -> bool:
@@ -224,6 +234,7 @@ def _compute_op_info(op: OpOverload) -> OpInfo:
         is_random=torch.Tag.nondeterministic_seeded in tags,
         is_inplace_view=torch.Tag.inplace_view in tags,
         silent_writes=silent,
+        is_pointwise=torch.Tag.pointwise in tags,
     )
 
 
