@@ -258,6 +258,7 @@ class OpNode:
         stack: Python stack of the forward call (only with ``debug=True``).
         checksums: per output, a checksum of the forward value (only with ``debug=True``).
         realized: how many times the op ran during backward passes.
+        transient: per backward pass, its output is transient (see Note [Transient values]).
     """
 
     # Class-level defaults, as for Handle: set in __init__ only what every node has.
@@ -273,6 +274,7 @@ class OpNode:
     realized = 0
     pass_id = -1
     live = False
+    transient = False
 
     def __init__(
         self,

@@ -14,10 +14,37 @@
 # (``torch.autograd.grad`` on part of the outputs, ``inputs=``); the next pass, e.g. after
 # ``retain_graph=True``, counts again from scratch.
 #
+# Note [Transient values]
+# Caching every recomputed value until its last use can hold more than the forward did: in
+# a residual network with only the matmul outputs kept, the first unpack of backward
+# recomputes the residual stream from the first block to the last, and each residual value
+# stays cached until its own block's backward. Cheap values are therefore *transient*: not
+# cached between uses, but recomputed at each use. After the use counts of a pass are set,
+# one forward sweep marks a recomputed handle ``h`` transient when its producer is
+# pointwise (``OpInfo.is_pointwise``), not random, not in place, has the single tensor
+# output ``h`` (not a view, no views of it), ``h`` has two or more pending uses, and every
+# recomputed input of the producer is either a view of a kept value (free to hold) or is
+# not transient (so each recomputation is one op), not a view, and has a pending use
+# besides the producer (it is cached after the producer ran anyway), and these inputs add
+# up to no more bytes than ``h``.
+#
+# The uses of the producer's inputs are tied to the uses of ``h``: each input gets
+# ``h.pending - 1`` extra uses, running the producer releases nothing, and every use of
+# ``h`` served releases one use of each input. So the inputs stay cached exactly as long as
+# ``h`` could be needed again, whatever the number of actual runs. The cached value of
+# ``h`` is dropped as soon as no op node waiting to run needs it: ``realize`` *pins* a
+# transient input when it expands a node and unpins it after the node ran, and ops in one
+# realize share one run. Memory never grows: at any time the producer's recomputed inputs
+# held for ``h`` (no more bytes than ``h``, and cached for other users anyway) replace ``h``
+# itself; the cost is one cheap pointwise op per extra use. In the residual example, the value between attention and MLP
+# (``x + attn``) becomes transient and half of the residual stream is no longer cached.
+#
 # Note [Realize order]
 # ``realize`` walks the producers of a handle with an explicit stack (no Python recursion,
 # so a 20,000-op chain works): a node is expanded once, its recomputed inputs that are not
-# cached are pushed, and it runs after them. A node runs at most once per pass.
+# cached are pushed, and it runs after them. A node runs at most once per pass, except the
+# producer of a transient value, which runs whenever the value is needed and not cached
+# (see Note [Transient values]).
 #
 # Note [RNG replay]
 # Random ops (``torch.Tag.nondeterministic_seeded``) record the state of their generator
@@ -143,20 +170,42 @@ def unpack_value(region: Region, h: Handle) -> torch.Tensor:
         begin_pass(region, task)
     try:
         value = realize(region, h)
-        _release_use(state, h)
+        _release_use(region, state, h)
     finally:
         if one_shot:
             end_pass(region)
     return value
 
 
-def _release_use(state: PassState, h: Handle) -> None:
-    """One pending user of ``h`` is served; free its cache after the last one."""
+def _release_use(region: Region, state: PassState, h: Handle) -> None:
+    """One pending user of ``h`` is served; free its cache after the last one.
+
+    A transient value is dropped as soon as no waiting op node needs it, and each of its
+    uses is also one use of its producer's recomputed inputs (see Note [Transient values]).
+    """
     h.pending -= 1
-    if h.pending <= 0 and h.cache is not None:
+    if h.transient:
+        for i in region.nodes[h.node_index].inputs:
+            if i.reason is None:
+                _release_use(region, state, i)
+        if h.pins > 0 and h.pending > 0:
+            return
+    elif h.pending > 0:
+        return
+    if h.cache is not None:
         h.cache = None
         if not h.is_view:  # a view's bytes belong to its base
             state.cached_bytes -= h.nbytes
+
+
+def _unpin(state: PassState, node: OpNode) -> None:
+    """``node`` ran (or was skipped): its transient inputs are no longer needed for it."""
+    for i in node.inputs:
+        if i.transient:
+            i.pins -= 1
+            if i.pins == 0 and i.cache is not None:
+                i.cache = None
+                state.cached_bytes -= i.nbytes
 
 
 def count_live_uses(region: Region) -> None:
@@ -229,8 +278,47 @@ def begin_pass(region: Region, task: int) -> None:
             for i in node.inputs:
                 if i.reason is None:
                     i.pending += 1
+    _mark_transient(region)
     if task != -1:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: end_pass(region))
+
+
+def _mark_transient(region: Region) -> None:
+    """Mark the pass's transient values. See Note [Transient values]."""
+    for node in region.nodes:
+        info = node.info
+        if not info.is_pointwise or info.writes or node.rng is not None:
+            continue
+        outs = node.outputs
+        if len(outs) != 1:
+            continue
+        h = outs[0]
+        if h is None or h.reason is not None or h.pending < 2 or h.is_view or h.has_views:
+            continue
+        nbytes = 0
+        for i in node.inputs:
+            if i.reason is None and not _aliases_kept(region, i):
+                if i.transient or i.is_view or i.pending < 2:
+                    break
+                nbytes += i.nbytes
+        else:
+            if nbytes <= h.nbytes:
+                h.transient = True
+                node.transient = True
+                extra = h.pending - 1
+                for i in node.inputs:
+                    if i.reason is None:
+                        i.pending += extra
+
+
+def _aliases_kept(region: Region, h: Handle) -> bool:
+    """Whether ``h`` is a view of a kept value (through views only): holding it is free."""
+    while h.is_view and h.reason is None:
+        node = region.nodes[h.node_index]
+        if not node.inputs:
+            return False
+        h = node.inputs[0]
+    return h.reason is not None
 
 
 def end_pass(region: Region) -> None:
@@ -239,10 +327,14 @@ def end_pass(region: Region) -> None:
     state.task = -2
     state.cached_bytes = 0
     for node in region.nodes:
+        if node.transient:
+            node.transient = False
         for o in node.outputs:
             if o is not None:
                 o.pending = 0
                 o.cache = None
+                o.transient = False
+                o.pins = 0
 
 
 @contextlib.contextmanager
@@ -269,18 +361,28 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
     number = region._pass.number
     with _replay_context(region):
         stack: list[tuple[int, bool]] = [(h.node_index, False)]
+        state = region._pass
         while stack:
             index, expanded = stack.pop()
             node = nodes[index]
-            if node.pass_id == number:
+            if node.transient:  # runs whenever its value is not cached
+                if node.outputs[0].cache is not None:  # type: ignore[union-attr]
+                    continue
+            elif node.pass_id == number:
+                if expanded:
+                    _unpin(state, node)
                 continue
             if expanded:
                 run_node(region, node)
+                _unpin(state, node)
                 continue
             stack.append((index, True))
             for i in node.inputs:
-                if i.reason is None and i.cache is None:
-                    stack.append((i.node_index, False))
+                if i.reason is None:
+                    if i.transient:
+                        i.pins += 1
+                    if i.cache is None:
+                        stack.append((i.node_index, False))
     if h.cache is None:
         raise CkptGraphError(
             f"ckpt_graph: internal error: {h!r} was not realized; please report this with the "
@@ -354,9 +456,11 @@ def run_node(region: Region, node: OpNode) -> None:
                 state.cached_bytes += o.nbytes
     if state.cached_bytes > state.peak_cached_bytes:
         state.peak_cached_bytes = state.cached_bytes
+    if node.transient:  # its inputs are released with its value's uses
+        return
     for i in node.inputs:
         if i.reason is None:
-            _release_use(state, i)
+            _release_use(region, state, i)
 
 
 def _call(node: OpNode, args: list[Any], kwargs: dict[str, Any]) -> Any:
