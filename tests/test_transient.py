@@ -135,9 +135,9 @@ def test_partial_and_repeated_backward_stay_exact(mode: str) -> None:
         torch.testing.assert_close(g, g_ref, rtol=0, atol=0)
         return
     for _ in range(2):
-        g_ref = torch.autograd.grad(loss_ref, [x, *ref_model.parameters()], retain_graph=True)
-        g = torch.autograd.grad(loss, [x, *model.parameters()], retain_graph=True)
-        for a, b in zip(g, g_ref, strict=True):
+        gs_ref = torch.autograd.grad(loss_ref, [x, *ref_model.parameters()], retain_graph=True)
+        gs = torch.autograd.grad(loss, [x, *model.parameters()], retain_graph=True)
+        for a, b in zip(gs, gs_ref, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
