@@ -20,13 +20,16 @@
 # recomputes the residual stream from the first block to the last, and each residual value
 # stays cached until its own block's backward. Cheap values are therefore *transient*: not
 # cached between uses, but recomputed at each use. After the use counts of a pass are set,
-# one forward sweep marks a recomputed handle ``h`` transient when its producer is
-# pointwise (``OpInfo.is_pointwise``), not random, not in place, has the single tensor
-# output ``h`` (not a view, no views of it), ``h`` has two or more pending uses, and every
-# recomputed input of the producer is either a view of a kept value (free to hold) or is
-# not transient (so each recomputation is one op), not a view, and has a pending use
-# besides the producer (it is cached after the producer ran anyway), and these inputs add
-# up to no more bytes than ``h``.
+# one forward sweep marks a recomputed handle ``h`` transient when
+# - its producer is pointwise (``OpInfo.is_pointwise``), not random, not in place, and has
+#   the single tensor output ``h``;
+# - ``h`` is not a view, has no views, has two or more pending uses, and has at least
+#   ``TRANSIENT_MIN_BYTES`` (an extra run costs microseconds of Python: not worth it for
+#   small values);
+# - every recomputed input of the producer is either a view of a kept value (free to hold)
+#   or is not transient (so each recomputation is one op), not a view, and has a pending
+#   use besides the producer (it is cached after the producer ran anyway); these inputs
+#   add up to no more bytes than ``h``.
 #
 # The uses of the producer's inputs are tied to the uses of ``h``: each input gets
 # ``h.pending - 1`` extra uses, running the producer releases nothing, and every use of
@@ -36,8 +39,9 @@
 # transient input when it expands a node and unpins it after the node ran, and ops in one
 # realize share one run. Memory never grows: at any time the producer's recomputed inputs
 # held for ``h`` (no more bytes than ``h``, and cached for other users anyway) replace ``h``
-# itself; the cost is one cheap pointwise op per extra use. In the residual example, the value between attention and MLP
-# (``x + attn``) becomes transient and half of the residual stream is no longer cached.
+# itself; the cost is one cheap pointwise op per extra use. In the residual example, the
+# value between attention and MLP (``x + attn``) becomes transient and half of the residual
+# stream is no longer cached.
 #
 # Note [Realize order]
 # ``realize`` walks the producers of a handle with an explicit stack (no Python recursion,
@@ -65,7 +69,7 @@
 # on; a kept handle that drops to zero is released. So a kept block input is freed right
 # after the last backward node that could need it, as autograd frees a saved tensor.
 #
-# Replay context: ``torch.no_grad()`` (unpacked values must be plain tensors; autograd
+# Replay context (set up in ``realize``): no grad (unpacked values must be plain tensors; autograd
 # re-attaches them to the original graph, which also makes ``create_graph=True`` work),
 # autocast off (the recorded ops already carry the casts autocast made), nothing recorded.
 """
@@ -80,10 +84,10 @@ import torch
 
 from ._debug import check_replay
 from ._errors import CkptGraphError
-from .graph import arg_at, version_of
+from .graph import Handle, arg_at, version_of
 
 if TYPE_CHECKING:
-    from .graph import Handle, OpNode
+    from .graph import OpNode
     from .region import Region
 
 __all__ = ["PassState", "exact_copy", "realize", "unpack_value"]
@@ -283,6 +287,11 @@ def begin_pass(region: Region, task: int) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: end_pass(region))
 
 
+# Values below this size stay cached: an extra run costs ~10 us of Python per use, more than
+# recomputing or holding a small tensor is worth. See Note [Transient values].
+TRANSIENT_MIN_BYTES = 64 * 1024
+
+
 def _mark_transient(region: Region) -> None:
     """Mark the pass's transient values. See Note [Transient values]."""
     for node in region.nodes:
@@ -293,7 +302,14 @@ def _mark_transient(region: Region) -> None:
         if len(outs) != 1:
             continue
         h = outs[0]
-        if h is None or h.reason is not None or h.pending < 2 or h.is_view or h.has_views:
+        if (
+            h is None
+            or h.reason is not None
+            or h.pending < 2
+            or h.is_view
+            or h.has_views
+            or h.nbytes < TRANSIENT_MIN_BYTES
+        ):
             continue
         nbytes = 0
         for i in node.inputs:
@@ -338,19 +354,16 @@ def end_pass(region: Region) -> None:
 
 
 @contextlib.contextmanager
-def _replay_context(region: Region) -> Iterator[None]:
-    region._recording = False
-    stack = contextlib.ExitStack()
-    try:
-        stack.enter_context(torch.no_grad())
-        if torch.is_autocast_enabled("cpu"):
-            stack.enter_context(torch.autocast("cpu", enabled=False))
-        if torch.cuda.is_available() and torch.is_autocast_enabled("cuda"):
-            stack.enter_context(torch.autocast("cuda", enabled=False))
-        with stack:
-            yield
-    finally:
-        region._recording = region._open
+def _autocast_off() -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+_set_grad_enabled = torch._C._set_grad_enabled
+_is_any_autocast_enabled = torch._C._is_any_autocast_enabled
 
 
 def realize(region: Region, h: Handle) -> torch.Tensor:
@@ -358,10 +371,17 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
     if h.cache is not None:
         return h.cache
     nodes = region.nodes
-    number = region._pass.number
-    with _replay_context(region):
+    state = region._pass
+    number = state.number
+    # The replay context, set up by hand: it runs once per unpack that recomputes.
+    region._recording = False
+    grad_was = torch.is_grad_enabled()
+    _set_grad_enabled(False)
+    autocast = _autocast_off() if _is_any_autocast_enabled() else None
+    if autocast is not None:
+        autocast.__enter__()
+    try:
         stack: list[tuple[int, bool]] = [(h.node_index, False)]
-        state = region._pass
         while stack:
             index, expanded = stack.pop()
             node = nodes[index]
@@ -383,6 +403,11 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
                         i.pins += 1
                     if i.cache is None:
                         stack.append((i.node_index, False))
+    finally:
+        if autocast is not None:
+            autocast.__exit__(None, None, None)
+        _set_grad_enabled(grad_was)
+        region._recording = region._open
     if h.cache is None:
         raise CkptGraphError(
             f"ckpt_graph: internal error: {h!r} was not realized; please report this with the "
@@ -392,8 +417,6 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
 
 
 def _value(region: Region, a: Any) -> Any:
-    from .graph import Handle
-
     if type(a) is Handle:
         if a.reason is not None:
             return _kept_value(region, a)
@@ -409,8 +432,6 @@ def _value(region: Region, a: Any) -> Any:
 
 def run_node(region: Region, node: OpNode) -> None:
     """Run one recorded op on realized inputs; cache outputs that are still pending."""
-    from .graph import Handle
-
     args = [_value(region, a) for a in node.args]
     kwargs = {k: _value(region, v) for k, v in node.kwargs.items()} if node.kwargs else {}
     info = node.info

@@ -20,6 +20,16 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 import ckpt_graph as cg
+from ckpt_graph import realize
+
+
+@pytest.fixture(autouse=True)
+def _transient_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let the small values of these cases be transient (see Note [Transient values]), so that
+    every case also checks the engine's recompute-at-each-use path; the default path is what
+    the other test modules run."""
+    monkeypatch.setattr(realize, "TRANSIENT_MIN_BYTES", 0)
+
 
 POLICIES = ["recompute_all", "must_save_all", save_matmuls]
 Case = tuple[Callable[..., Any], list[Any]]

@@ -18,7 +18,7 @@ from models import ZOO, assert_same, leaf, make_model, run, save_matmuls
 from torch.utils.checkpoint import CheckpointPolicy
 
 import ckpt_graph as cg
-from ckpt_graph import policies
+from ckpt_graph import policies, realize
 
 # name -> (outer policy, {block index: inner policy}, tag block outputs)
 CONFIGS: dict[str, tuple[Any, dict[int, Any], bool]] = {
@@ -209,8 +209,20 @@ def _as_policy(p: Any) -> Any:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(steps=steps_st, plan=plan_st)
-def test_random_op_chains(steps: list[tuple[int, int, int]], plan: tuple[Any, Any]) -> None:
+@given(steps=steps_st, plan=plan_st, transient=st.booleans())
+def test_random_op_chains(
+    steps: list[tuple[int, int, int]], plan: tuple[Any, Any], transient: bool
+) -> None:
+    # ``transient``: let the small values of these programs be transient (Note [Transient values]).
+    default = realize.TRANSIENT_MIN_BYTES
+    realize.TRANSIENT_MIN_BYTES = 0 if transient else default
+    try:
+        _random_op_chain(steps, plan)
+    finally:
+        realize.TRANSIENT_MIN_BYTES = default
+
+
+def _random_op_chain(steps: list[tuple[int, int, int]], plan: tuple[Any, Any]) -> None:
     outer, inner = plan
 
     def program(scope: Any, x: torch.Tensor, w: torch.Tensor) -> Any:
