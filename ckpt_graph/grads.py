@@ -21,17 +21,16 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 from torch import nn
 
 from ckpt_graph._errors import CkptGraphError
+from ckpt_graph._grads_layout import _ALIGN_BYTES, _collect, _Slot, _slot_stride, _State
+from ckpt_graph._grads_linear import linear
 
 __all__ = ["FlatGrads", "linear"]
 
@@ -79,83 +78,6 @@ __all__ = ["FlatGrads", "linear"]
 #     the slice and re-attaches the view, warning once per kind except for (d): correct, at
 #     the cost of one extra read and write per element (two after a path-2 copy). Path 4
 #     results with history are left alone until `zero_()`.
-
-
-class _State(enum.Enum):
-    EMPTY = 0  # slice zeroed by zero_(); no gradient arrived since
-    FULL = 1  # slice holds a gradient that later ones accumulate into
-    HANDED = 2  # slice handed out by grad_destination in the current pass
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class _Slot:
-    """Where one parameter's gradient lives in its buffer."""
-
-    param: torch.Tensor
-    name: str
-    key: tuple[torch.device, torch.dtype]
-    offset: int  # in elements
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    ptr: int = 0  # address of the slice's first element
-    state: _State = _State.EMPTY
-    shared: bool = False  # seen twice in one backward pass: never handed out again
-    acc_node: Any = None  # p's AccumulateGrad node
-    hook: Any = None
-
-    @property
-    def layout(self) -> tuple[torch.device, torch.dtype, tuple[int, ...], tuple[int, ...]]:
-        return (self.key[0], self.key[1], self.shape, self.stride)
-
-
-_ALIGN_BYTES = 64
-
-
-def _is_dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    expected = 1
-    for sz, st in sorted(zip(size, stride, strict=True), key=lambda d: d[1]):
-        if sz == 1:
-            continue
-        if st != expected:
-            return False
-        expected *= sz
-    return True
-
-
-def _slot_stride(p: torch.Tensor) -> tuple[int, ...]:
-    """Strides that obey the layout contract for ``p`` (see Note [Gradient adoption])."""
-    size, stride = tuple(p.shape), tuple(p.stride())
-    if not _is_dense(size, stride):
-        stride = tuple(torch.empty(size, device="meta").stride())
-    return tuple(1 if sz == 1 and st == 0 else st for sz, st in zip(size, stride, strict=True))
-
-
-def _collect(
-    params_or_module: nn.Module | Iterable[torch.Tensor],
-) -> list[tuple[str, torch.Tensor]]:
-    if isinstance(params_or_module, nn.Module):
-        named: list[tuple[str, torch.Tensor]] = list(params_or_module.named_parameters())
-    elif isinstance(params_or_module, torch.Tensor):
-        raise TypeError(
-            "FlatGrads expects a module or an iterable of parameters, got a single tensor; "
-            "wrap it in a list"
-        )
-    else:
-        named = [(f"parameter {i}", p) for i, p in enumerate(params_or_module)]
-    seen: set[int] = set()
-    out: list[tuple[str, torch.Tensor]] = []
-    for name, p in named:
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"FlatGrads: {name} is a {type(p).__name__}, not a tensor")
-        if not p.is_leaf:
-            raise ValueError(
-                f"FlatGrads: {name} is not a leaf tensor; only leaves get a .grad from backward"
-            )
-        if id(p) in seen or not p.requires_grad:
-            continue
-        seen.add(id(p))
-        out.append((name, p))
-    return out
 
 
 class FlatGrads:
@@ -443,54 +365,3 @@ def _make_hook(
             flat._after_accumulate(slot)
 
     return hook
-
-
-class _FlatLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        flat: FlatGrads | None,
-    ) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        # The parameters themselves, not the saved values: under a checkpoint region the saved
-        # weight comes back as another tensor object, and FlatGrads finds slices by identity.
-        ctx.params = (weight, bias)
-        ctx.flat = flat
-        return torch.nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight_value = ctx.saved_tensors
-        weight, bias = ctx.params
-        flat: FlatGrads | None = ctx.flat
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        gx = grad_out.matmul(weight_value) if ctx.needs_input_grad[0] else None
-        gw = gb = None
-        if ctx.needs_input_grad[1]:
-            dst = flat.grad_destination(weight) if flat is not None else None
-            gw = torch.mm(g2.t(), x2, out=dst) if dst is not None else torch.mm(g2.t(), x2)
-        if bias is not None and ctx.needs_input_grad[2]:
-            dst = flat.grad_destination(bias) if flat is not None else None
-            gb = torch.sum(g2, 0, out=dst) if dst is not None else g2.sum(0)
-        return gx, gw, gb, None
-
-
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    flat: FlatGrads | None = None,
-) -> torch.Tensor:
-    """``F.linear`` whose weight and bias gradients are written straight into ``flat``.
-
-    With ``flat=None`` it computes the same values out of place (same kernels, bitwise equal).
-
-    Example:
-        >>> y = linear(x, layer.weight, layer.bias, flat=flat)  # doctest: +SKIP
-    """
-    return _FlatLinear.apply(x, weight, bias, flat)  # type: ignore[no-any-return]
