@@ -40,13 +40,29 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .._liveness import SimGraph, SimResult, simulate
+from ._budget_graph import mincut_sweep, segment_dp_sweep
 
-__all__ = ["KeptTensor", "PlanReport", "Solution", "brute_force", "candidate_ops", "solve"]
+__all__ = [
+    "SEEDS",
+    "KeptTensor",
+    "PlanReport",
+    "Solution",
+    "brute_force",
+    "candidate_ops",
+    "solve",
+]
+
+#: Starting points of the local search (see Note [Memory budget planning]).
+SEEDS = ("greedy", "simulated", "min-cut", "segment DP")
 
 # Up to this many kept ops, repairs pick each drop by simulating every choice.
 _SIM_GUIDED = 48
 # Up to this many candidates, local search also tries keeping two dropped ops at once.
 _PAIRS = 24
+# The local search runs from this many of the cheapest fitting starting plans.
+_IMPROVE = 6
+# Repairs simulate at most this many drops per step (the cheapest per byte).
+_TRY = 8
 
 
 @dataclass(frozen=True)
@@ -104,11 +120,16 @@ class PlanReport:
 
 @dataclass(frozen=True)
 class Solution:
-    """A plan: the kept candidate ops and what the simulator predicts for them."""
+    """A plan: the kept candidate ops and what the simulator predicts for them.
+
+    ``method`` names the starting plan the local search improved (one of :data:`SEEDS`, or
+    "all" when keeping every candidate fits).
+    """
 
     kept_ops: frozenset[int]
     result: SimResult
     feasible: bool
+    method: str = ""
 
 
 def candidate_ops(g: SimGraph, ops: Iterable[int] | None = None) -> list[int]:
@@ -165,47 +186,103 @@ def _own_bytes(g: SimGraph, op: int) -> int:
 
 
 def solve(
-    g: SimGraph, candidates: Sequence[int], budget: int, *, max_evals: int = 1000
+    g: SimGraph,
+    candidates: Sequence[int],
+    budget: int,
+    *,
+    max_evals: int = 1000,
+    seeds: Sequence[str] = SEEDS,
 ) -> Solution:
     """Plan the kept ops among ``candidates``. See Note [Memory budget planning].
 
+    Args:
+        g: the region's graph.
+        candidates: ops the plan may keep (see :func:`candidate_ops`).
+        budget: bytes the simulated activation peak of backward may reach.
+        max_evals: simulations and marginal-cost sweeps the local search may spend.
+        seeds: starting points to try, among :data:`SEEDS`.
+
     Example:
         >>> sol = solve(graph, candidate_ops(graph), budget=graph.saved_bytes() // 2)  # doctest: +SKIP
-        >>> sol.feasible, sol.result.recompute_cost  # doctest: +SKIP
+        >>> sol.feasible, sol.result.recompute_cost, sol.method  # doctest: +SKIP
     """
     search = _Search(g, budget, max_evals)
     kept = set(candidates)
     first = search.sim(kept)
     if first.peak_bytes <= budget:
-        starts = [(first, kept)]
+        starts = [("all", first, kept)]
     else:
-        starts = [search.descend(kept)]
-        if len(kept) <= _SIM_GUIDED:
-            starts.append(search.repair(kept, -1))
-    plans = [search.improve(candidates, r, k) for r, k in starts if r.peak_bytes <= budget]
-    if not plans:
-        r, k = min(starts, key=lambda t: t[0].peak_bytes)
-        return Solution(frozenset(k), r, False)
-    best, best_kept = min(plans, key=lambda t: (t[0].recompute_cost, t[0].peak_bytes))
-    return Solution(frozenset(best_kept), best, True)
+        starts = _starts(search, candidates, seeds)
+    fitting: dict[frozenset[int], tuple[str, SimResult]] = {}
+    for name, r, k in starts:
+        if r.peak_bytes <= budget:
+            fitting.setdefault(frozenset(k), (name, r))
+    if not fitting:
+        name, low, low_kept = min(starts, key=lambda t: t[1].peak_bytes)
+        return Solution(frozenset(low_kept), low, False, name)
+    ranked = sorted(fitting.items(), key=lambda t: t[1][1].recompute_cost)[:_IMPROVE]
+    plans = []
+    for start, (name, r) in ranked:
+        search.limit = search.evals + max_evals // len(ranked)
+        best, best_kept = search.improve(candidates, r, set(start))
+        plans.append((best, best_kept, name))
+    # ties go to the earliest method of SEEDS: a seed "wins" only when strictly cheaper
+    order = {m: i for i, m in enumerate(("all", *SEEDS))}
+    best, best_kept, name = min(plans, key=lambda t: (t[0].recompute_cost, order[t[2]]))
+    return Solution(frozenset(best_kept), best, True, name)
+
+
+def _starts(
+    search: _Search, candidates: Sequence[int], seeds: Sequence[str]
+) -> list[tuple[str, SimResult, set[int]]]:
+    """Starting plans of the local search, each repaired to fit when it can be."""
+    g, budget = search.g, search.budget
+    kept = set(candidates)
+    starts: list[tuple[str, SimResult, set[int]]] = []
+    if "greedy" in seeds:
+        starts.append(("greedy", *search.descend(kept)))
+    if "simulated" in seeds and len(kept) <= _SIM_GUIDED:
+        starts.append(("simulated", *search.repair(kept, -1)))
+
+    def peak(k: frozenset[int]) -> int:
+        return search.sim(k).peak_bytes
+
+    graph_seeds: list[tuple[str, list[frozenset[int]]]] = []
+    if "min-cut" in seeds:
+        graph_seeds.append(("min-cut", mincut_sweep(g, candidates, peak, budget)))
+    if "segment DP" in seeds:
+        graph_seeds.append(("segment DP", segment_dp_sweep(g, candidates, peak, budget)))
+    for name, plans in graph_seeds:
+        for plan in plans:
+            r = search.sim(plan)
+            if r.peak_bytes <= budget:
+                starts.append((name, r, set(plan)))
+            else:
+                starts.append((name, *search.descend(set(plan))))
+    return starts
 
 
 class _Search:
-    """Simulator-verified moves on plans, with an evaluation limit."""
+    """Simulator-verified moves on plans, with an evaluation limit and a simulation cache."""
 
     def __init__(self, g: SimGraph, budget: int, max_evals: int) -> None:
         self.g = g
         self.budget = budget
-        self.max_evals = max_evals
+        self.limit = max_evals
         self.evals = 0
+        self._cache: dict[frozenset[int], SimResult] = {}
 
     def sim(self, kept: Iterable[int]) -> SimResult:
-        self.evals += 1
-        return simulate(self.g, kept)
+        key = frozenset(kept)
+        r = self._cache.get(key)
+        if r is None:
+            self.evals += 1
+            r = self._cache[key] = simulate(self.g, key)
+        return r
 
     @property
     def spent(self) -> bool:
-        return self.evals >= self.max_evals
+        return self.evals >= self.limit
 
     def marginal(self, op: int, kept: set[int]) -> float:
         """Extra recompute cost per byte of dropping ``op`` from ``kept``."""
@@ -244,6 +321,8 @@ class _Search:
                 trial = trial - {op}
                 r = self.sim(trial)
                 continue
+            if len(pool) > _TRY:  # simulate only the cheapest drops per byte
+                pool = set(sorted(pool, key=lambda o: self.marginal(o, trial))[:_TRY])
             trials = [(self.sim(trial - {o}), o) for o in sorted(pool)]
             fits = [t for t in trials if t[0].peak_bytes <= self.budget]
             if fits:
