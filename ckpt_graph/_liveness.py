@@ -3,57 +3,93 @@
 The simulator replays, without running any op, what the engine does in backward for a given
 set of kept op outputs: the order in which autograd unpacks saved tensors, the use counts of
 ``realize.py`` (see Note [Use counts and freeing]), the values cached while they still have a
-pending use, and the gradient buffers alive at each step. It works on a small framework-free
-graph (:class:`SimGraph`) so planners can be tested on synthetic graphs; :func:`from_region`
+pending use, transient values (Note [Transient values]), kept values released as autograd
+frees saved tensors (Note [Releasing kept values]), the gradient buffers alive at each step
+and the temporaries of op formulas. It works on a small framework-free graph
+(:class:`SimGraph`) so planners can be tested on synthetic graphs; :func:`from_region`
 builds one from a recorded region.
 
 # Note [Backward liveness model]
 # 1. Unpack order. Saved tensors are grouped into backward *steps*: the op node whose
-#    autograd node saved them (inputs are saved just before the op is recorded, outputs just
-#    after, so a save logged after ``n`` recorded ops belongs to op ``n`` if the value is one
-#    of its inputs, else to op ``n - 1``). Autograd runs its nodes in reverse topological
-#    order, which for one region is the reverse forward order (sequence numbers grow with the
-#    forward), so steps run from the last op back and a step unpacks all its saved tensors,
-#    which stay alive (*held*) until the step ends.
+#    autograd node saved them. Inputs are saved just before the op is recorded, outputs
+#    just after, so a save logged after ``n`` recorded ops belongs to op ``n`` if the value
+#    is one of its inputs, else to op ``n - 1``. A value made by op ``n - 1`` and read by op
+#    ``n`` is ambiguous (``log_softmax`` saves its result, which ``nll_loss`` saves again):
+#    op ``n - 1``'s output saves come first, and their number is measured with the
+#    workspaces (``Workspace.output_saves``); unmeasured, the first of two such saves in a
+#    row goes to op ``n - 1``. Autograd runs its nodes in reverse topological order, which
+#    for one region is the reverse forward order (sequence numbers grow with the forward),
+#    so steps run from the last op back and a step unpacks all its saved tensors, which
+#    stay alive (*held*) until the step ends.
 # 2. Realize. Use counts start at the number of saved tensors per recomputed value; one sweep
 #    from the last op back marks the ops that will run and adds one use per recomputed input,
 #    exactly as ``realize.begin_pass``. A run op allocates all its outputs, caches the ones
 #    with a pending use, drops the others at once, then releases one use of each recomputed
 #    input; a cached value is freed when its use count reaches zero. Every op runs at most
-#    once per pass, so the recompute cost of a plan is the cost of the ops marked to run.
+#    once per pass (except producers of transient values, rule 7), and the recompute cost of
+#    a plan is the summed cost of the runs.
 # 3. Memory is counted per *storage*: a view shares the storage of its base, so keeping or
 #    caching a view keeps the whole base (in-place results: rule 6). Storages of region
 #    inputs (parameters, the batch) are never counted: they live anyway.
 #    activation memory = storages of live kept values + cached or held recomputed values.
-# 4. Gradient buffers: the gradient of an op output (floating, not a view) is alive from the
-#    step of its last consumer (or from the start for a region output) to the step of its
-#    producer; a region input's gradient is counted at each consumer's step only (parameters
-#    accumulate into ``.grad`` at once). They do not depend on the plan, so they are computed
-#    once per graph (``step_grad_bytes``) and added to the total, not to the activation peak.
-# 5. Kept values count only if a saved tensor may need them when backward starts: live
-#    uses = saved tensors + ops that must run for a recomputed value, as the engine counts
-#    them at region exit (Note [Releasing kept values]); kept values nobody needs are
-#    released there and are not counted. Their release during the pass, as autograd frees
-#    saved tensors, is not modelled (tried: it predicted 13-27% below the measured peak of
-#    budget plans, so the engine frees later than that model); peaks are mostly reached
-#    early in backward, where nearly every kept value is still needed.
+# 4. Gradients and temporaries: total memory = activation memory + gradient buffers + the
+#    temporaries of the op running now. The gradient of an op output (floating, not a view)
+#    is alive from the step of its last consumer (or from the start for a region output) to
+#    the step of its producer; a region input's gradient is counted at each consumer's step
+#    only (parameters accumulate into ``.grad`` at once). An op's ``workspace`` (what its
+#    backward formula allocates beyond the input gradients: the unfolded input of a slow
+#    convolution, the normalised input of batch norm, oneDNN's reordered copies) counts at
+#    its step; its ``run_workspace`` (the same for its forward) counts whenever it runs in
+#    backward. None depend on the plan: they raise ``peak_total_bytes``, not ``peak_bytes``.
+#    Workspaces are measured once per op signature (Note [Measuring op workspaces]); without
+#    them (``from_region(region)``) they are 0, which underestimates convolutional models
+#    (1.5-2x on a float64 CNN) but barely matters for matmul models (their formulas
+#    allocate little beyond their gradients).
+# 5. Kept values are live while a saved tensor may need them, as the engine counts it:
+#    live uses = saved tensors + ops that must run for a recomputed value (Note [Releasing
+#    kept values]). Kept values without live uses at region exit are not counted. After a
+#    step ran, each of its saved tensors takes one live use of its value; a kept value with
+#    none left is released; a recomputed value with none left makes its producer dead once
+#    all its recomputed outputs are, which takes a use of each of the producer's inputs.
+#    (An earlier version did not model this release and matched a measurement of
+#    ``loss.backward`` alone; that measurement ignores frees of blocks allocated before it,
+#    kept values included, so both were 5-30% above the real peak on budget plans.)
 # 6. An in-place op returns a new version in the storage of the written value when nothing
 #    used the old version before (the engine then keeps one tensor for both); otherwise the
 #    engine keeps a copy of the old version, and the new version has a storage of its own.
-# Known limitations: temporaries of backward formulas, the unpacked values of kept tensors
-# (aliases, no memory) and the timing of frees inside a step are not modelled.
+# 7. Transient values, as ``realize._mark_transient`` marks them after the use counts: a
+#    recomputed value of at least ``transient_min_bytes`` made by a ``pointwise`` op, with
+#    two or more pending uses, not a view and without views, whose producer's recomputed
+#    inputs are views of kept values or else not transient, not views, with a use besides
+#    the producer and no more bytes in total than the value. Each such input gets the
+#    value's pending uses minus one more uses; the value is dropped as soon as no op
+#    waiting in the current realize needs it (pins), and runs again at its next use; each
+#    use of it releases a use of each input.
+# Known limitations: the unpacked values of kept tensors are aliases (no memory); the
+# order of allocations inside a step is not modelled (the gradients of a step's inputs are
+# counted while its saved tensors are recomputed); the engine's ready queue may run
+# independent branches in another order than the reverse forward order; memory outside the
+# region (the loss when computed outside it) is not counted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .region import Region
+from ._liveness_costs import Workspace, from_region, kept_ops_of, measure_workspaces
 
-__all__ = ["SimGraph", "SimOp", "SimResult", "SimValue", "from_region", "kept_ops_of", "simulate"]
+__all__ = [
+    "SimGraph",
+    "SimOp",
+    "SimResult",
+    "SimValue",
+    "Workspace",
+    "from_region",
+    "kept_ops_of",
+    "measure_workspaces",
+    "simulate",
+]
 
 
 @dataclass(frozen=True)
@@ -64,21 +100,39 @@ class SimValue:
         nbytes: bytes of the value's storage if it owns it (ignored for views).
         producer: index of the producing op, -1 for a region input.
         storage: id of the value owning the storage (itself unless a view).
+        is_view: whether the engine sees the value as a view (rule 7); ``None`` means
+            ``storage`` differs from its own id (an in-place result sharing the storage of
+            the old version is not a view).
     """
 
     nbytes: int
     producer: int
     storage: int
+    is_view: bool | None = None
 
 
 @dataclass(frozen=True)
 class SimOp:
-    """One op: value ids in and out, and its recompute cost."""
+    """One op: value ids in and out, and its recompute cost.
+
+    Attributes:
+        inputs: distinct value ids it reads.
+        outputs: value ids it makes (tensor outputs only).
+        cost: recompute cost of one run.
+        name: op name, for reports.
+        workspace: bytes its backward formula allocates beyond the input gradients (rule 4).
+        run_workspace: bytes it allocates beyond its outputs when it runs again (rule 4).
+        pointwise: it may run again at each use of its value (rule 7): elementwise, not
+            random, not in place, one output.
+    """
 
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     cost: int
     name: str = ""
+    workspace: int = 0
+    run_workspace: int = 0
+    pointwise: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,6 +146,8 @@ class SimGraph:
         fixed: value ids kept whatever the plan says (region inputs are always kept).
         step_grad_bytes: gradient bytes alive at each step (op index), see Note [Backward
             liveness model] rule 4; empty for graphs without gradients.
+        transient_min_bytes: smaller values are never transient (rule 7; the engine's
+            ``realize.TRANSIENT_MIN_BYTES``).
 
     Example:
         >>> g = SimGraph(
@@ -108,6 +164,7 @@ class SimGraph:
     saved: tuple[tuple[int, int], ...]
     fixed: frozenset[int] = frozenset()
     step_grad_bytes: Mapping[int, int] = field(default_factory=dict)
+    transient_min_bytes: int = 0
 
     def saved_bytes(self) -> int:
         """Activation bytes kept without checkpointing: distinct op-made saved storages."""
@@ -142,7 +199,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
     See Note [Backward liveness model].
     """
     values, ops = g.values, g.ops
-    nv = len(values)
+    nv, n = len(values), len(ops)
     kept = [v.producer < 0 for v in values]
     for v in g.fixed:
         kept[v] = True
@@ -151,107 +208,152 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             kept[v] = True
     storage = [v.storage for v in values]
     size = [values[s].nbytes if values[s].producer >= 0 else 0 for s in storage]
-    pending = [0] * nv
-    alive = [0] * nv  # live uses, kept values included (see rule 5)
-    for _, v in g.saved:
-        alive[v] += 1
+    pending = [0] * nv  # use counts of recomputed values (rule 2)
+    live = [0] * nv  # live uses of every value (rule 5)
+    by_step: dict[int, list[int]] = {}
+    for j, v in g.saved:
+        by_step.setdefault(j, []).append(v)
+        live[v] += 1
         if not kept[v]:
             pending[v] += 1
-    runs = [False] * len(ops)
-    cost = count = 0
-    for j in range(len(ops) - 1, -1, -1):
+    needed = [False] * n
+    for j in range(n - 1, -1, -1):
         op = ops[j]
         if any(not kept[o] and pending[o] > 0 for o in op.outputs):
-            runs[j] = True
-            cost += op.cost
-            count += 1
+            needed[j] = True
             for i in op.inputs:
-                alive[i] += 1
+                live[i] += 1
                 if not kept[i]:
                     pending[i] += 1
+    transient = _mark_transient(g, kept, pending)
     refs: dict[int, int] = {}
     cached = [False] * nv
-    ran = [False] * len(ops)
-    live = 0
-    peak = peak_total = 0
-    peak_step = -1
+    pins = [0] * nv
+    ran = [False] * n
+    level = peak = peak_total = cost = count = 0
+    peak_step = step = -1
     grads = g.step_grad_bytes
-    step = -1
 
     def acquire(v: int) -> None:
-        nonlocal live
-        s = storage[v]
+        nonlocal level
         if size[v]:
-            n = refs.get(s, 0)
-            refs[s] = n + 1
-            if n == 0:
-                live += size[v]
+            s = storage[v]
+            k = refs.get(s, 0)
+            refs[s] = k + 1
+            if k == 0:
+                level += size[v]
 
     def release(v: int) -> None:
-        nonlocal live
-        s = storage[v]
+        nonlocal level
         if size[v]:
-            n = refs[s] - 1
-            refs[s] = n
-            if n == 0:
-                live -= size[v]
+            s = storage[v]
+            k = refs[s] - 1
+            refs[s] = k
+            if k == 0:
+                level -= size[v]
 
     for v in range(nv):
-        if kept[v] and alive[v] > 0:
+        if kept[v] and live[v] > 0:
             acquire(v)
-    kept_bytes = live
+    kept_bytes = level
+
+    def drop(v: int) -> None:
+        cached[v] = False
+        release(v)
 
     def use(v: int) -> None:
         pending[v] -= 1
-        if pending[v] <= 0 and cached[v]:
-            cached[v] = False
-            release(v)
+        if transient[v]:  # rule 7: a use of a transient value is a use of its inputs
+            for i in ops[values[v].producer].inputs:
+                if not kept[i]:
+                    use(i)
+            if pins[v] > 0 and pending[v] > 0:
+                return
+        elif pending[v] > 0:
+            return
+        if cached[v]:
+            drop(v)
 
-    def check() -> None:
+    def check(extra: int) -> None:
         nonlocal peak, peak_total, peak_step
-        act = live
-        total = act + grads.get(step, 0)
-        peak = max(peak, act)
+        peak = max(peak, level)
+        total = level + grads.get(step, 0) + extra
         if total > peak_total:
             peak_total, peak_step = total, step
 
     def run(j: int) -> None:
+        nonlocal cost, count
         ran[j] = True
         op = ops[j]
+        cost += op.cost
+        count += 1
         for o in op.outputs:
             acquire(o)
-        check()
+        check(op.run_workspace)
         for o in op.outputs:
             if not kept[o] and pending[o] > 0:
                 cached[o] = True
             else:
                 release(o)
+        if transient[op.outputs[0]] if op.outputs else False:
+            return  # its inputs are released with its value's uses
         for i in op.inputs:
             if not kept[i]:
                 use(i)
+
+    def unpin(j: int) -> None:
+        for i in ops[j].inputs:
+            if transient[i]:
+                pins[i] -= 1
+                if pins[i] == 0 and cached[i]:
+                    drop(i)
 
     def realize(v: int) -> None:
         stack = [(values[v].producer, False)]
         while stack:
             j, expanded = stack.pop()
-            if ran[j]:
+            outs = ops[j].outputs
+            if outs and transient[outs[0]]:
+                if cached[outs[0]]:
+                    continue
+            elif ran[j]:
+                if expanded:
+                    unpin(j)
                 continue
             if expanded:
                 run(j)
+                unpin(j)
                 continue
             stack.append((j, True))
             for i in ops[j].inputs:
-                if not kept[i] and not cached[i]:
-                    stack.append((values[i].producer, False))
+                if not kept[i]:
+                    if transient[i]:
+                        pins[i] += 1
+                    if not cached[i]:
+                        stack.append((values[i].producer, False))
 
-    saved = g.saved
-    k = len(saved) - 1
-    while k >= 0:
-        step = saved[k][0]
+    def lose(v: int) -> None:  # rule 5, as realize.lose_use
+        stack = [v]
+        while stack:
+            v = stack.pop()
+            live[v] -= 1
+            if live[v] != 0:
+                continue
+            if kept[v]:
+                release(v)
+                continue
+            p = values[v].producer
+            if p < 0 or not needed[p]:
+                continue
+            if any(not kept[o] and live[o] > 0 for o in ops[p].outputs):
+                continue
+            needed[p] = False
+            stack.extend(ops[p].inputs)
+
+    for step in range(n - 1, -1, -1):
+        saves = by_step.get(step, ())
         held: list[int] = []
-        while k >= 0 and saved[k][0] == step:
-            v = saved[k][1]
-            k -= 1
+        for v in reversed(saves):
             if kept[v]:
                 continue
             if not cached[v]:
@@ -259,127 +361,56 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             acquire(v)
             held.append(v)
             use(v)
-        check()
+        check(ops[step].workspace)
         for v in held:
             release(v)
-    if not saved:
+        for v in saves:
+            lose(v)
+    if not g.saved:
         peak = peak_total = kept_bytes
     return SimResult(peak, peak_total, kept_bytes, cost, count, peak_step)
 
 
-def kept_ops_of(region: Region) -> frozenset[int]:
-    """Indices of the region's op nodes with an output kept by a policy or tag."""
-    return frozenset(
-        n.index
-        for n in region.nodes
-        if any(o is not None and o.kept and not o.reason.startswith("engine") for o in n.outputs)  # type: ignore[union-attr]
-    )
+def _mark_transient(g: SimGraph, kept: list[bool], pending: list[int]) -> list[bool]:
+    """Recomputed values run again at each use instead of cached (rule 7).
 
-
-def from_region(
-    region: Region, costs: Mapping[int, int] | None = None, free_ops: Iterable[int] = ()
-) -> SimGraph:
-    """Build the :class:`SimGraph` of a recorded region.
-
-    Args:
-        region: a region whose forward has run (values may be released; metadata is used).
-        costs: recompute cost per op index; missing ops cost the elements of their outputs;
-            ops whose outputs are all views cost 0.
-        free_ops: ops whose kept outputs are left to the plan (not fixed); outputs of every
-            other op are fixed as the forward decided them.
-
-    Example:
-        >>> g = from_region(region)  # doctest: +SKIP
-        >>> simulate(g, kept_ops_of(region)).peak_bytes  # doctest: +SKIP
+    Mirrors ``realize._mark_transient`` (Note [Transient values]); adds the extra uses of
+    the producers' inputs to ``pending``.
     """
-    free = set(free_ops)
-    vid: dict[int, int] = {}
-    values: list[SimValue] = []
-    fixed: set[int] = set()
-    floating: list[bool] = []
-    for inp in region.inputs:
-        vid[id(inp)] = len(values)
-        values.append(SimValue(inp.nbytes, -1, len(values)))
-        floating.append(inp.dtype.is_floating_point)
-    ops: list[SimOp] = []
-    used: set[int] = set()  # values consumed so far (ops and saves), for rule 6
-    saves = sorted(((n, id(h)) for n, h in region.saved), key=lambda e: e[0])
-    next_save = 0
-    for node in region.nodes:
-        while next_save < len(saves) and saves[next_save][0] <= node.index:
-            used.add(saves[next_save][1])
-            next_save += 1
-        ins = tuple(vid[id(i)] for i in node.inputs if id(i) in vid)
-        outs: list[int] = []
-        info = node.info
-        for out in node.outputs:
-            if out is None:
-                continue
-            v = len(values)
-            vid[id(out)] = v
-            root = v
-            if (ins and out.is_view and not info.returns_written) or (
-                ins and info.returns_written and id(node.inputs[0]) not in used
-            ):
-                root = values[ins[0]].storage
-            values.append(SimValue(out.nbytes, node.index, root))
-            floating.append(out.dtype.is_floating_point and root == v)
-            outs.append(v)
-            if out.kept and (node.index not in free or (out.reason or "").startswith("engine")):
-                fixed.add(v)
-        if all(o is None or o.is_view for o in node.outputs):
-            cost = 0  # views compute nothing
-        elif costs is not None and node.index in costs:
-            cost = costs[node.index]
+    values, ops, least = g.values, g.ops, g.transient_min_bytes
+    transient = [False] * len(values)
+    if not any(op.pointwise for op in ops):
+        return transient
+    view = [v.storage != k if v.is_view is None else v.is_view for k, v in enumerate(values)]
+    aliased = [False] * len(values)
+    for k, val in enumerate(values):
+        if view[k]:
+            aliased[val.storage] = True
+
+    def aliases_kept(v: int) -> bool:  # a view of a kept value, through views only
+        while view[v] and not kept[v]:
+            p = values[v].producer
+            if p < 0 or not ops[p].inputs:
+                return False
+            v = ops[p].inputs[0]
+        return kept[v]
+
+    for op in ops:
+        if not op.pointwise or len(op.outputs) != 1:
+            continue
+        h = op.outputs[0]
+        if kept[h] or pending[h] < 2 or view[h] or aliased[h] or values[h].nbytes < least:
+            continue
+        nbytes = 0
+        for i in op.inputs:
+            if not kept[i] and not aliases_kept(i):
+                if transient[i] or view[i] or pending[i] < 2:
+                    break
+                nbytes += values[i].nbytes
         else:
-            cost = sum(o.shape.numel() for o in node.outputs if o is not None)
-        ops.append(SimOp(ins, tuple(outs), cost, info.name))
-        used.update(id(i) for i in node.inputs)
-    saved: list[tuple[int, int]] = []
-    last = 0
-    n_ops = len(ops)
-    for n, packed in region.saved:
-        sv = vid.get(id(packed))
-        if sv is None:
-            continue
-        step = n if n < n_ops and sv in ops[n].inputs else n - 1
-        last = max(last, min(max(step, 0), n_ops - 1))
-        saved.append((last, sv))
-    return SimGraph(
-        tuple(values),
-        tuple(ops),
-        tuple(saved),
-        frozenset(fixed),
-        _grad_bytes(values, ops, floating),
-    )
-
-
-def _grad_bytes(values: list[SimValue], ops: list[SimOp], floating: list[bool]) -> dict[int, int]:
-    """Gradient bytes alive per step. See Note [Backward liveness model] rule 4."""
-    n = len(ops)
-    last_use = [-1] * len(values)
-    for j, op in enumerate(ops):
-        for i in op.inputs:
-            last_use[values[i].storage] = j
-    delta = [0] * (n + 2)
-    for v, val in enumerate(values):
-        if not floating[v] or val.storage != v:
-            continue
-        if val.producer < 0:
-            continue
-        end = last_use[v] if last_use[v] >= 0 else n - 1
-        delta[val.producer] += val.nbytes
-        delta[end + 1] -= val.nbytes
-    out: dict[int, int] = {}
-    level = 0
-    for j in range(n):
-        level += delta[j]
-        out[j] = level
-    for j, op in enumerate(ops):
-        if op.outputs and all(values[o].storage != o for o in op.outputs):
-            continue  # a view op: the gradient is formed where the view is consumed
-        for i in op.inputs:
-            root = values[i].storage
-            if values[root].producer < 0 and floating[root]:
-                out[j] += values[i].nbytes if values[i].nbytes else values[root].nbytes
-    return out
+            if nbytes <= values[h].nbytes:
+                transient[h] = True
+                for i in op.inputs:
+                    if not kept[i]:
+                        pending[i] += pending[h] - 1
+    return transient
