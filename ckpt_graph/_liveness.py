@@ -69,7 +69,9 @@ builds one from a recorded region.
 # order of allocations inside a step is not modelled (the gradients of a step's inputs are
 # counted while its saved tensors are recomputed); the engine's ready queue may run
 # independent branches in another order than the reverse forward order; memory outside the
-# region (the loss when computed outside it) is not counted.
+# region (the loss when computed outside it) is not counted, nor are values the program
+# still references after the region released them (a kept region output held by the
+# caller).
 """
 
 from __future__ import annotations

@@ -78,10 +78,18 @@ def measure_workspaces(region: Region) -> dict[int, Workspace]:
     See Note [Measuring op workspaces]. The result is meant for
     ``from_region(region, workspaces=...)``.
 
+    Raises:
+        ValueError: if the region's block is still open (the measured ops would be recorded).
+
     Example:
         >>> ws = measure_workspaces(region)  # doctest: +SKIP
         >>> g = from_region(region, workspaces=ws)  # doctest: +SKIP
     """
+    if region._open:
+        raise ValueError(
+            "measure_workspaces: the region is still open; call it after the "
+            "save_recompute_policy block has exited"
+        )
     consumed = {id(i) for node in region.nodes for i in node.inputs}
     last = len(region.nodes) - 1
     out: dict[int, Workspace] = {}

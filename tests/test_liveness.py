@@ -273,6 +273,8 @@ def test_measured_workspaces_of_convolution_and_batch_norm() -> None:
     model, x = make_model("cnn")
     with cg.save_recompute_policy("recompute_all") as region:
         model(x)
+        with pytest.raises(ValueError, match="still open"):
+            measure_workspaces(region)
     ws = measure_workspaces(region)
     names = {n.index: n.info.name for n in region.nodes}
     conv = [ws[j] for j, name in names.items() if name == "aten.convolution.default"]
