@@ -180,10 +180,11 @@ class SimResult:
 
     Attributes:
         peak_bytes: highest activation memory (kept + cached + held storages).
-        peak_total_bytes: highest activation + gradient memory.
+        peak_total_bytes: highest activation + gradient + workspace memory (rule 4).
         kept_bytes: storages of kept values some saved tensor still needs when backward starts.
-        recompute_cost: summed cost of the ops run in backward.
-        recomputed_ops: number of ops run in backward.
+        recompute_cost: summed cost of the op runs in backward.
+        recomputed_ops: number of op runs in backward (the producer of a transient value
+            counts once per run, as ``PassState.recomputed_ops``).
         peak_step: op index of the step where ``peak_total_bytes`` was reached (-1 if none).
     """
 
@@ -199,6 +200,13 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
     """Simulate one backward pass with the outputs of ``kept_ops`` (plus ``g.fixed``) kept.
 
     See Note [Backward liveness model].
+
+    Example:
+        >>> x, a, b = SimValue(8, -1, 0), SimValue(32, 0, 1), SimValue(8, 1, 2)
+        >>> g = SimGraph((x, a, b), (SimOp((0,), (1,), 5), SimOp((1,), (2,), 5)), ((1, 1),))
+        >>> r = simulate(g, [])  # step 1 unpacks a: op 0 runs again
+        >>> r.peak_bytes, r.recompute_cost, simulate(g, [0]).kept_bytes
+        (32, 5, 32)
     """
     values, ops = g.values, g.ops
     nv, n = len(values), len(ops)

@@ -184,8 +184,8 @@ def _measure_one(node: OpNode, wanted: tuple[bool, ...]) -> Workspace:
     args = [build(a) for a in node.args]
     kwargs = {k: build(v) for k, v in node.kwargs.items()} if node.kwargs else {}
     try:
-        with torch.no_grad():
-            fwd = measure(node.op, *args, **kwargs)
+        with torch.no_grad():  # a lambda: measure() takes a device= of its own
+            fwd = measure(lambda: node.op(*args, **kwargs))
         saves: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
