@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from .graph import Handle
     from .region import Region
 
-__all__ = ["Packed", "pack_hook", "unpack_hook", "unpack_hook_for_autograd"]
+__all__ = ["Packed", "pack_hook_for", "unpack_hook", "unpack_hook_for_autograd"]
 
 
 try:  # torch >= 2.10: objects a custom op can take, opaque to torch.compile
@@ -62,18 +63,28 @@ class Packed(_PackedBase):
         return f"Packed({self.handle!r})"
 
 
-def pack_hook(region: Region, t: torch.Tensor) -> Any:
-    """Pack a saved tensor as its handle (raw tensor for backward run inside the region)."""
-    if not region._recording or torch._C._current_graph_task_id() != region._task:
-        return t
-    if region._unsettled:
-        region._settle()
-    h = region.handle_of(t)
-    h.uses += 1
-    if h.device is None:
-        h.stride, h.device = t.stride(), t.device
-    region.saved.append((len(region.nodes), h))
-    return Packed(region, h)
+def pack_hook_for(region: Region) -> Callable[[torch.Tensor], Any]:
+    """The pack hook of ``region``: packs a saved tensor as its handle.
+
+    Backward run inside the region saves raw tensors. The hook is a closure over the region
+    (not a lambda calling a function): it runs for every tensor autograd saves.
+    """
+    current_task = torch._C._current_graph_task_id
+    handle_of = region.handle_of
+
+    def pack_hook(t: torch.Tensor) -> Any:
+        if not region._recording or current_task() != region._task:
+            return t
+        if region._unsettled:
+            region._settle()
+        h = handle_of(t)
+        h.uses += 1
+        if h.device is None:
+            h.stride, h.device = t.stride(), t.device
+        region.saved.append((len(region.nodes), h))
+        return Packed(region, h)
+
+    return pack_hook
 
 
 def unpack_hook(packed: Any) -> torch.Tensor:

@@ -38,6 +38,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -76,6 +77,36 @@ except ImportError:  # pragma: no cover - builds without dynamo
 
 
 _ONES_LIKE = torch.ops.aten.ones_like.default
+_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+_Tensor = torch.Tensor
+
+# Note [Recording fast path]
+# Most ops of a forward are plain: they write no argument, draw no random numbers and
+# return one fresh tensor that is no view. When the policy stack is constant
+# PREFER_RECOMPUTE ("recompute_all" alone or nested) and the op has no keyword arguments,
+# ``Recorder.__torch_dispatch__`` records such an op inline, with the same result as the
+# general path (``_record_op``, ``record_node``, ``decide``). Beyond saving calls, it saves
+# objects: every object the recorder keeps counts towards the garbage collector's next
+# young-generation pass, and those passes (which also walk the region's handles and
+# nodes) were the largest single part of the per-op cost.
+#   1. Arguments are scanned once; a tensor whose handle is current (same object, same
+#      version) is looked up inline, anything else goes through ``Region.handle_of``.
+#   2. Tuples are shared where equal (they are immutable): an op node whose only input
+#      handle is the only output of its producer uses the producer's ``outputs`` tuple as
+#      its ``inputs`` (and as its ``args`` when that is the only argument); when every
+#      argument is a distinct tensor, ``inputs`` is the ``args`` tuple.
+#   3. Output shapes are shared within a region (``Region._shapes``): equal
+#      ``torch.Size`` objects, one per distinct shape instead of one per op.
+#   4. An ``OpOverload`` is called through its C++ ``_op`` (its ``__call__`` only forwards).
+#   5. Ops enter the fast path by id (``OpOverload.__hash__`` is Python code) after the
+#      general path computed their ``OpInfo`` once; ``_PLAIN`` holds the op objects, so
+#      ids are never reused while they are in it. ``ones_like`` always takes the general
+#      path (the seed gradient of a backward must not be recorded).
+# An op that returns no single tensor (tuple, list, non-tensor) finishes through
+# ``record_node``. Everything else (in-place, views, random ops, keyword arguments,
+# debug regions, unsettled handles, other policies, a compiled caller) takes the
+# general path.
+_PLAIN: dict[int, tuple[Any, OpInfo]] = {}
 
 # Decisions that keep a value, and whether they keep it in host memory.
 KEEP = {
@@ -120,6 +151,86 @@ class Recorder(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        region = self.region
+        if (
+            kwargs
+            or region._constant is not _RECOMPUTE
+            or region._unsettled
+            or not region._recording
+            or region.debug
+            or _dynamo_callback() is not None
+        ):
+            return self._dispatch(func, args, kwargs)
+        entry = _PLAIN.get(id(func))
+        if entry is None or _current_task() != region._task:
+            return self._dispatch(func, args, kwargs)
+        # See Note [Recording fast path].
+        nodes = region.nodes
+        ids = region._ids
+        inputs: list[Handle] = []
+        h_args = list(args)
+        only_tensors = True
+        for i, a in enumerate(args):
+            if isinstance(a, _Tensor):
+                h = ids.get(id(a))
+                if h is None or (ref := h.ref) is None or ref() is not a:
+                    h = region.handle_of(a)
+                else:
+                    try:
+                        version = a._version
+                    except RuntimeError:
+                        version = 0
+                    if h.version != version:
+                        h = region.handle_of(a)
+                h_args[i] = h
+                inputs.append(h)
+            else:
+                only_tensors = False
+                if type(a) is list or type(a) is tuple:
+                    h_args[i] = region._scan_list(a, inputs)
+        n = len(inputs)
+        uniq: tuple[Any, ...]  # distinct input handles
+        if n == 1:
+            h = inputs[0]
+            uniq = nodes[h.node_index].outputs if h.node_index >= 0 else ()
+            if len(uniq) != 1 or uniq[0] is not h:
+                uniq = (h,)
+            h_tuple = uniq if only_tensors else tuple(h_args)
+        else:
+            h_tuple = tuple(h_args)
+            if n == 2 and inputs[0] is not inputs[1]:
+                uniq = h_tuple if only_tensors else (inputs[0], inputs[1])
+            else:
+                uniq = tuple(dict.fromkeys(inputs))
+                if only_tensors and len(uniq) == len(h_tuple):
+                    uniq = h_tuple
+        out = func._op(*args) if type(func) is OpOverload else func(*args)
+        info = entry[1]
+        if kwargs is None:
+            kwargs = {}
+        if not isinstance(out, _Tensor):
+            record_node(region, func, info, h_tuple, kwargs, uniq, out, None, args, kwargs, None)
+            return out
+        index = len(nodes)
+        node = OpNode(index, func, info, h_tuple, kwargs, uniq)
+        for h in uniq:
+            h.uses += 1
+        h = Handle(out, index, 0)
+        shape = h.shape
+        try:
+            h.shape = region._shapes.setdefault(shape, shape)
+        except TypeError:  # symbolic sizes are not hashable: no sharing
+            h.shape = shape
+        ids[id(out)] = h
+        node.outputs = (h,)
+        node.decision = _RECOMPUTE
+        node.decided_by = "policy"
+        node.module_path = region._modules.current_path
+        nodes.append(node)
+        return out
+
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+        """The general path: any op, any policy stack."""
         if kwargs is None:
             kwargs = {}
         if _dynamo_callback() is not None:
@@ -142,6 +253,14 @@ def _record_op(region: Region, func: Any, args: tuple[Any, ...], kwargs: dict[st
     if region._unsettled:
         region._settle()
     info = _OP_INFO.get(func) or op_info(func)
+    if (
+        not info.writes
+        and not info.is_random
+        and not info.view_outputs
+        and func is not _ONES_LIKE
+        and id(func) not in _PLAIN
+    ):
+        _PLAIN[id(func)] = (func, info)
     h_args, h_kwargs, inputs = region._scan(args, kwargs)
     overwritten = (
         before_write(region, info, args, kwargs, h_args, h_kwargs) if info.writes else None

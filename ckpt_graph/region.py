@@ -18,7 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from . import _modules, graph
 from ._errors import CkptGraphError
 from .graph import Handle, OpNode, version_of
-from .hooks import pack_hook, unpack_hook_for_autograd
+from .hooks import pack_hook_for, unpack_hook_for_autograd
 from .policies._core import POLICY_NAMES, PolicyContext, PolicyFn, normalize_policy, resolve
 from .policies._core import to_decision as _to_decision
 from .realize import PassState, count_live_uses, lose_use
@@ -71,6 +71,7 @@ class Region:
         self._policies: list[PolicyFn] = []
         self._constant: CheckpointPolicy | None = None
         self._ids: dict[int, Handle] = {}
+        self._shapes: dict[torch.Size, torch.Size] = {}  # See Note [Recording fast path].
         self._by_storage: dict[int, list[Handle]] | None = None
         self._unsettled: list[Handle] = []
         self._recording = False
@@ -96,7 +97,7 @@ class Region:
         _tls.region = self
         _modules.install_hooks()
         hooks = torch.autograd.graph.saved_tensors_hooks(
-            lambda t: pack_hook(self, t), unpack_hook_for_autograd()
+            pack_hook_for(self), unpack_hook_for_autograd()
         )
         recorder = Recorder(self)
         hooks.__enter__()
@@ -116,6 +117,7 @@ class Region:
         _tls.region = None
         self._settle()
         self._by_storage = None
+        self._shapes = {}
         self._ctx = None
         self._modules.clear()
         if self._live_packs == 0:
