@@ -26,15 +26,17 @@ normalised input) and when it runs again in backward (``convolution``'s unfolded
 #    size). Ops not measured get 0: views and in-place ops returning the written value
 #    (their formulas allocate their results only; ops that write buffers, such as batch
 #    norm's running statistics, are measured with those buffers not requiring gradients),
-#    ops on non-CPU tensors, random ops, and ops whose fresh-tensor run fails; measurement
-#    inside another ``measure`` or a profiler is not possible and returns nothing.
+#    ops on non-CPU tensors, random ops given a generator, and ops whose fresh-tensor run
+#    fails. Random ops run under ``torch.random.fork_rng``, so the caller's random stream
+#    is unchanged. Measuring inside another ``measure`` or a profiler is not possible and
+#    returns what was measured so far.
 # 3. A region's own op nodes are not touched: only metadata is read.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -60,11 +62,14 @@ class Workspace(NamedTuple):
         recompute: allocated when it runs again in backward (beyond its outputs).
         output_saves: how many of the tensors its autograd node saves are its own outputs
             (-1 if unknown); tells which step a save belongs to (rule 1).
+        input_grads: bytes of input gradients its backward formula allocates (-1 if not
+            measured); 0 means it passes its output's gradient on (rule 4).
     """
 
     backward: int
     recompute: int
     output_saves: int = -1
+    input_grads: int = -1
 
 
 _MEMO: dict[tuple[Any, ...], Workspace] = {}
@@ -115,8 +120,10 @@ def measure_workspaces(region: Region) -> dict[int, Workspace]:
 
 def _measurable(node: OpNode) -> bool:
     info = node.info
-    if info.returns_written or info.is_random or info.is_inplace_view:
+    if info.returns_written or info.is_inplace_view:
         return False  # writes to buffers (batch norm's running statistics) are fine
+    if info.is_random and any(isinstance(a, torch.Generator) for a in node.kwargs.values()):
+        return False  # would draw from the caller's generator
     outs = [o for o in node.outputs if o is not None]
     if not outs or all(o.is_view for o in outs):
         return False
@@ -183,6 +190,17 @@ def _measure_one(node: OpNode, wanted: tuple[bool, ...]) -> Workspace:
 
     args = [build(a) for a in node.args]
     kwargs = {k: build(v) for k, v in node.kwargs.items()} if node.kwargs else {}
+    with torch.random.fork_rng(devices=[]):  # random ops leave the caller's stream alone
+        return _run_measured(node, args, kwargs, leaves, wanted)
+
+
+def _run_measured(
+    node: OpNode,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    leaves: list[torch.Tensor],
+    wanted: tuple[bool, ...],
+) -> Workspace:
     try:
         with torch.no_grad():  # a lambda: measure() takes a device= of its own
             fwd = measure(lambda: node.op(*args, **kwargs))
@@ -206,45 +224,72 @@ def _measure_one(node: OpNode, wanted: tuple[bool, ...]) -> Workspace:
             for o, w in zip(outs, wanted, strict=False)
             if w and isinstance(o, torch.Tensor) and o.requires_grad
         ]
-        bwd_peak = 0
+        bwd_peak, input_grads = 0, -1
         if roots and leaves:
             grads = [torch.ones_like(o) for o in roots]
             bwd = measure(torch.autograd.grad, roots, leaves, grads, allow_unused=True)
-            bwd_peak = bwd.peak_bytes - bwd.end_bytes
+            bwd_peak, input_grads = bwd.peak_bytes - bwd.end_bytes, bwd.end_bytes
     except CkptGraphError:
         raise
     except Exception:  # fresh tensors the op rejects (value checks): not measured
         return _ZERO
-    return Workspace(max(bwd_peak, 0), max(fwd.peak_bytes - fwd.end_bytes, 0), output_saves)
+    return Workspace(
+        max(bwd_peak, 0), max(fwd.peak_bytes - fwd.end_bytes, 0), output_saves, input_grads
+    )
 
 
 def grad_bytes(
-    values: Sequence[SimValue], ops: Sequence[SimOp], floating: Sequence[bool]
+    values: Sequence[SimValue],
+    ops: Sequence[SimOp],
+    floating: Sequence[bool],
+    passthrough: Collection[int] = (),
 ) -> dict[int, int]:
-    """Gradient bytes alive per step. See Note [Backward liveness model] rule 4."""
+    """Gradient bytes alive per step. See Note [Backward liveness model] rule 4.
+
+    ``passthrough`` ops return their output's gradient as their inputs' (``add``): the
+    inputs whose gradient starts there share that buffer instead of getting their own.
+    """
     n = len(ops)
     last_use = [-1] * len(values)
     for j, op in enumerate(ops):
         for i in op.inputs:
             last_use[values[i].storage] = j
-    delta = [0] * (n + 2)
+    low: dict[int, int] = {}  # gradient buffer (named by a value) -> first step it is freed at
     for v, val in enumerate(values):
-        if not floating[v] or val.storage != v or val.producer < 0:
+        if floating[v] and val.storage == v and val.producer >= 0:
+            low[v] = val.producer
+    buffer = list(range(len(values)))  # the buffer holding each value's gradient
+    for j in sorted(passthrough, reverse=True):
+        outs = [o for o in ops[j].outputs if o in low or buffer[o] != o]
+        if len(outs) != 1:
             continue
+        b = buffer[outs[0]]
+        for i in ops[j].inputs:
+            r = values[i].storage
+            if r in low and last_use[r] == j and buffer[r] == r:
+                del low[r]
+                buffer[r] = b
+                low[b] = min(low[b], values[r].producer)
+    delta = [0] * (n + 2)
+    for v, first in low.items():
         end = last_use[v] if last_use[v] >= 0 else n - 1
-        delta[val.producer] += val.nbytes
-        delta[end + 1] -= val.nbytes
+        delta[first] += values[v].nbytes
+        delta[end + 1] -= values[v].nbytes
     out: dict[int, int] = {}
     level = 0
     for j in range(n):
         level += delta[j]
         out[j] = level
+    skip = set(passthrough)
     for j, op in enumerate(ops):
-        if op.outputs and all(values[o].storage != o for o in op.outputs):
+        if j in skip or (op.outputs and all(values[o].storage != o for o in op.outputs)):
             continue  # a view op: the gradient is formed where the view is consumed
         for i in op.inputs:
             root = values[i].storage
-            if values[root].producer < 0 and floating[root]:
+            if not floating[root]:
+                continue
+            if values[root].producer < 0 or last_use[root] > j:
+                # a parameter's gradient, or a contribution added to an existing buffer
                 out[j] += values[i].nbytes if values[i].nbytes else values[root].nbytes
     return out
 
@@ -340,12 +385,13 @@ def from_region(
         ops.append(SimOp(ins, tuple(outs), cost, info.name, ws.backward, ws.recompute, pointwise))
         used.update(id(i) for i in node.inputs)
     saved = _steps_of_saves(region, vid, ops, workspaces)
+    ws_items = workspaces.items() if workspaces is not None else ()
     return SimGraph(
         tuple(values),
         tuple(ops),
         tuple(saved),
         frozenset(fixed),
-        grad_bytes(values, ops, floating),
+        grad_bytes(values, ops, floating, [j for j, w in ws_items if w.input_grads == 0]),
         getattr(realize, "TRANSIENT_MIN_BYTES", 0),
     )
 
