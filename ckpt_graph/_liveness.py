@@ -36,7 +36,11 @@ builds one from a recorded region.
 #    temporaries of the op running now. The gradient of an op output (floating, not a view)
 #    is alive from the step of its last consumer (or from the start for a region output) to
 #    the step of its producer; a region input's gradient is counted at each consumer's step
-#    only (parameters accumulate into ``.grad`` at once). An op's ``workspace`` (what its
+#    only (parameters accumulate into ``.grad`` at once), and so is the contribution of an
+#    earlier consumer to an existing gradient (allocated, then added to the buffer). An op
+#    whose formula allocates no input gradient (measured: ``add`` hands its output's
+#    gradient on) makes the gradients starting at its step share that one buffer, alive
+#    until the last of them is consumed. An op's ``workspace`` (what its
 #    backward formula allocates beyond the input gradients: the unfolded input of a slow
 #    convolution, the normalised input of batch norm, oneDNN's reordered copies) counts at
 #    its step; its ``run_workspace`` (the same for its forward) counts whenever it runs in

@@ -21,6 +21,7 @@ from ckpt_graph._liveness import (
     measure_workspaces,
     simulate,
 )
+from ckpt_graph._liveness_costs import grad_bytes
 from ckpt_graph.memory import measure, measure_with_result
 from ckpt_graph.policies._budget import memory_budget
 from ckpt_graph.zoo import GPT, build_workload
@@ -113,6 +114,18 @@ def test_workspaces_count_at_their_step_and_when_their_op_runs() -> None:
     r = simulate(SimGraph(g.values, formula, g.saved), [0, 1])
     assert r.peak_bytes == 16  # v1 and v2 kept; v2 is released after step 2
     assert (r.peak_total_bytes, r.peak_step) == (8 + 100, 1)
+
+
+def test_gradients_passed_on_share_one_buffer() -> None:
+    # x -> a -> b = f(a) -> c = add(a, b) -> d: add hands c's gradient to a and b as is.
+    values = [SimValue(8, -1, 0)] + [SimValue(8, j, j + 1) for j in range(4)]
+    ops = [SimOp((0,), (1,), 1), SimOp((1,), (2,), 1), SimOp((1, 2), (3,), 1)]
+    ops.append(SimOp((3,), (4,), 1))
+    floating = [False] + [True] * 4
+    # Own buffers: at step 2 the gradients of c, b and a; at step 1 those of b and a plus
+    # f's contribution to a's (added to the existing buffer after f's backward).
+    assert grad_bytes(values, ops, floating) == {0: 8, 1: 24, 2: 24, 3: 16}
+    assert grad_bytes(values, ops, floating, passthrough=[2]) == {0: 8, 1: 16, 2: 8, 3: 16}
 
 
 def pointwise_graph(pointwise: bool) -> SimGraph:
