@@ -22,15 +22,17 @@ normalised input) and when it runs again in backward (``convolution``'s unfolded
 #    figures come from the backend that will run, not from a table of formulas.
 # 2. Cost. One measurement per distinct signature (op, tensor metadata, other arguments),
 #    memoised for the process: a block repeated N times is measured once. Each takes two
-#    profiler sessions (~2 ms each plus the op itself on small random tensors of the real
-#    size). Ops not measured get 0: views and in-place ops returning the written value
-#    (their formulas allocate their results only; ops that write buffers, such as batch
-#    norm's running statistics, are measured with those buffers not requiring gradients),
-#    ops on non-CPU tensors, random ops given a generator, and ops whose fresh-tensor run
-#    fails. Random ops run under ``torch.random.fork_rng``, so the caller's random stream
-#    is unchanged. Measuring inside another ``measure`` or a profiler is not possible and
-#    returns what was measured so far.
-# 3. A region's own op nodes are not touched: only metadata is read.
+#    profiler sessions and one forward and backward of the op at the real size: a 12-layer
+#    GPT-style region (381 ops, 14 signatures) takes 0.2-0.6 s on 2 CPU cores once its
+#    kernels are warm.
+# 3. Not measured (0): views and in-place ops returning the written value (their formulas
+#    allocate their results only; ops that write buffers, such as batch norm's running
+#    statistics, are measured with those buffers not requiring gradients), ops on non-CPU
+#    tensors, random ops given a generator, and ops whose fresh-tensor run fails. Random
+#    ops run under ``torch.random.fork_rng``, so the caller's random stream is unchanged.
+#    Measuring inside another ``measure`` or a profiler is not possible and returns what
+#    was measured so far.
+# 4. A region's own op nodes are not touched: only metadata is read.
 """
 
 from __future__ import annotations
