@@ -196,8 +196,8 @@ def summary(region: Region) -> RegionSummary:
         recomputable_bytes=chain.nbytes,
         recompute_ops=len(chain.nodes),
         recompute_flops=chain.flops,
-        rng_state_bytes=sum(
-            n.rng[1].numel() * n.rng[1].element_size() for n in region.nodes if n.rng is not None
+        rng_state_bytes=sum(  # random ops that drew nothing share one state tensor
+            {id(n.rng[1]): n.rng[1].nbytes for n in region.nodes if n.rng is not None}.values()
         ),
         backward_passes=region._pass.number,
         recomputed_ops_last_pass=region._pass.recomputed_ops,

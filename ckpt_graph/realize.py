@@ -55,7 +55,9 @@
 # just before they ran in forward: the explicit ``generator=`` argument's, or else the
 # default generator of their device. Replaying sets that state, runs the op and restores
 # the state the generator had, so recomputed values equal the forward's and the user's
-# random stream ends where it would have without checkpointing.
+# random stream ends where it would have without checkpointing. A state equal to the one
+# the previous random op captured (the op drew nothing: SDPA without dropout) is shared, not
+# copied; a CPU generator state is 5 KiB.
 #
 # Note [Releasing kept values]
 # A kept value is needed as long as a saved tensor refers to it, or a saved tensor of a

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -385,7 +386,20 @@ def capture_rng(
             gen = torch.cuda.default_generators[idx]
         else:
             return None  # no replay known for this device: outputs are kept
-    return gen, gen.get_state()
+    state = gen.get_state()
+    # See Note [RNG replay]: consecutive random ops that left the generator as it was (SDPA
+    # without dropout, dropout(p=0)) share one state tensor instead of holding a copy each.
+    last_gen, last_state = _LAST_RNG
+    if last_gen is not None and last_gen() is gen:
+        last = last_state()
+        if last is not None and torch.equal(last, state):
+            return gen, last
+    _LAST_RNG[:] = [weakref.ref(gen), weakref.ref(state)]
+    return gen, state
+
+
+# The generator and the state tensor of the last capture, weakly held (a region owns them).
+_LAST_RNG: list[Any] = [None, None]
 
 
 # ----------------------------------------------------------------- op nodes

@@ -676,6 +676,36 @@ def test_random_ops_some_kept_some_recomputed() -> None:
     check(fn, [leaf(3, 4), leaf(3, 4, seed=2)], _keep_every_other)
 
 
+def _sdpa_chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x.reshape(1, 1, 3, 4) * w.reshape(1, 1, 3, 4)
+    for _ in range(6):  # random ops (dropout_p is an argument) that draw nothing
+        h = F.scaled_dot_product_attention(h, h, h).sin()
+    return h.reshape(3, 4)
+
+
+def test_random_ops_that_draw_nothing_share_one_generator_state() -> None:
+    _, got = check(_sdpa_chain, [leaf(3, 4), leaf(3, 4, seed=2)], "recompute_all")
+    assert got.region is not None
+    states = [n.rng[1] for n in got.region.nodes if n.rng is not None]
+    assert len(states) == 0  # released with the graph after backward
+    x, w = leaf(3, 4), leaf(3, 4, seed=2)
+    with cg.save_recompute_policy("recompute_all") as region:
+        y = _sdpa_chain(x, w)
+    states = [n.rng[1] for n in region.nodes if n.rng is not None]
+    assert len(states) == 6 and len({id(s) for s in states}) == 1
+    assert region.summary().rng_state_bytes == states[0].nbytes
+    y.sum().backward()
+
+
+def test_random_ops_that_draw_keep_their_own_states() -> None:
+    x = leaf(3, 4)
+    with cg.save_recompute_policy("recompute_all") as region:
+        y = F.dropout(F.dropout(x, 0.3).exp(), 0.3)
+    states = [n.rng[1] for n in region.nodes if n.rng is not None]
+    assert len(states) == 2 and not torch.equal(states[0], states[1])
+    y.sum().backward()
+
+
 @pytest.mark.parametrize("policy", POLICIES, ids=["recompute_all", "must_save_all", "save_matmuls"])
 def test_random_op_in_inner_block(policy: Any) -> None:
     def fn(scope: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
