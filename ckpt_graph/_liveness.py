@@ -40,24 +40,25 @@ builds one from a recorded region.
 #    earlier consumer to an existing gradient (allocated, then added to the buffer). An op
 #    whose formula allocates no input gradient (measured: ``add`` hands its output's
 #    gradient on) makes the gradients starting at its step share that one buffer, alive
-#    until the last of them is consumed. An op's ``workspace`` (what its
-#    backward formula allocates beyond the input gradients: the unfolded input of a slow
-#    convolution, the normalised input of batch norm, oneDNN's reordered copies) counts at
-#    its step; its ``run_workspace`` (the same for its forward) counts whenever it runs in
-#    backward. None depend on the plan: they raise ``peak_total_bytes``, not ``peak_bytes``.
+#    until the last of them is consumed. An op's ``workspace`` (what its backward formula
+#    allocates beyond the input gradients: the unfolded input of a slow convolution, the
+#    normalised input of batch norm, oneDNN's reordered copies) counts at its step; its
+#    ``run_workspace`` (the same for its forward) counts whenever it runs in backward.
+#    None depend on the plan: they raise ``peak_total_bytes``, not ``peak_bytes``.
 #    Workspaces are measured once per op signature (Note [Measuring op workspaces]); without
 #    them (``from_region(region)``) they are 0, which underestimates convolutional models
-#    (1.5-2x on a float64 CNN) but barely matters for matmul models (their formulas
-#    allocate little beyond their gradients).
+#    (the measured peak is 1.5-2.2x the prediction on a float64 CNN) but barely matters for
+#    matmul models (their formulas allocate little beyond their gradients).
 # 5. Kept values are live while a saved tensor may need them, as the engine counts it:
 #    live uses = saved tensors + ops that must run for a recomputed value (Note [Releasing
 #    kept values]). Kept values without live uses at region exit are not counted. After a
 #    step ran, each of its saved tensors takes one live use of its value; a kept value with
 #    none left is released; a recomputed value with none left makes its producer dead once
 #    all its recomputed outputs are, which takes a use of each of the producer's inputs.
-#    (An earlier version did not model this release and matched a measurement of
-#    ``loss.backward`` alone; that measurement ignores frees of blocks allocated before it,
-#    kept values included, so both were 5-30% above the real peak on budget plans.)
+#    (An earlier version did not model this release: it matched a measurement of
+#    ``loss.backward`` alone, which ignores frees of blocks allocated before the call, kept
+#    values included, and modelling the release then looked 13-27% too low. Measured over
+#    forward and backward, the real peak of budget plans was 18-38% below that version.)
 # 6. An in-place op returns a new version in the storage of the written value when nothing
 #    used the old version before (the engine then keeps one tensor for both); otherwise the
 #    engine keeps a copy of the old version, and the new version has a storage of its own.
