@@ -12,6 +12,7 @@ import torch
 from models import make_model, save_matmuls
 
 import ckpt_graph as cg
+from ckpt_graph import _liveness_costs
 from ckpt_graph._liveness import (
     SimGraph,
     SimOp,
@@ -282,7 +283,9 @@ def test_transient_values_of_one_save_matmuls_region_over_a_gpt() -> None:
     assert without.recomputed_ops < r.recomputed_ops
 
 
-def test_measured_workspaces_of_convolution_and_batch_norm() -> None:
+def test_measured_workspaces_of_convolution_and_batch_norm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     model, x = make_model("cnn")
     with cg.save_recompute_policy("recompute_all") as region:
         model(x)
@@ -298,6 +301,11 @@ def test_measured_workspaces_of_convolution_and_batch_norm() -> None:
     assert all(w.output_saves == 2 for w in norm)  # save_mean and save_invstd
     assert not any(region.nodes[j].info.returns_written for j in ws)  # add_, div_: not run
     assert not any(all(o is None or o.is_view for o in region.nodes[j].outputs) for j in ws)
+
+    def fail(*args: Any) -> None:
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(_liveness_costs, "_measure_one", fail)
     assert measure_workspaces(region) == ws  # memoised per op signature
 
 
