@@ -45,6 +45,9 @@ def arg_at(args: Sequence[Any], kwargs: dict[str, Any], where: int | str) -> Any
     return args[where] if isinstance(where, int) else kwargs.get(where)
 
 
+_weakref = weakref.ref
+
+
 def version_of(t: torch.Tensor) -> int:
     """``t._version``; 0 for inference tensors, which have no version counter (and cannot
     be modified outside inference mode)."""
@@ -115,8 +118,11 @@ class Handle:
     def __init__(self, t: torch.Tensor, node_index: int, index: int) -> None:
         self.node_index = node_index
         self.index = index
-        self.version = version_of(t)
-        self.ref: weakref.ref[torch.Tensor] | None = weakref.ref(t)
+        try:  # version_of(), inlined: a handle is made for every op output
+            self.version = t._version
+        except RuntimeError:
+            self.version = 0
+        self.ref: weakref.ref[torch.Tensor] | None = _weakref(t)
         self.shape = t.shape
         self.dtype = t.dtype
         self.nbytes: int = t.nbytes

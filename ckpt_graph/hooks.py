@@ -71,6 +71,7 @@ def pack_hook_for(region: Region) -> Callable[[torch.Tensor], Any]:
     """
     current_task = torch._C._current_graph_task_id
     handle_of = region.handle_of
+    saved_at, saved_handles, nodes = region._saved_at, region._saved_handles, region.nodes
 
     def pack_hook(t: torch.Tensor) -> Any:
         if not region._recording or current_task() != region._task:
@@ -80,8 +81,11 @@ def pack_hook_for(region: Region) -> Callable[[torch.Tensor], Any]:
         h = handle_of(t)
         h.uses += 1
         if h.device is None:
-            h.stride, h.device = t.stride(), t.device
-        region.saved.append((len(region.nodes), h))
+            stride = t.stride()
+            h.stride = region._strides.setdefault(stride, stride)  # shared, as sizes are
+            h.device = t.device
+        saved_at.append(len(nodes))  # See Note [Saved tensor records].
+        saved_handles.append(h)
         return Packed(region, h)
 
     return pack_hook

@@ -65,13 +65,16 @@ class Region:
     def __init__(self, debug: bool = False) -> None:
         self.nodes: list[OpNode] = []
         self.inputs: list[Handle] = []
-        self.saved: list[tuple[int, Handle]] = []
+        self._saved: list[tuple[int, Handle]] = []  # See Note [Saved tensor records].
+        self._saved_at: list[int] = []
+        self._saved_handles: list[Handle] = []
         self.kept_bytes = 0
         self.debug = debug
         self._policies: list[PolicyFn] = []
         self._constant: CheckpointPolicy | None = None
         self._ids: dict[int, Handle] = {}
         self._shapes: dict[torch.Size, torch.Size] = {}  # See Note [Recording fast path].
+        self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # likewise, saved tensors
         self._by_storage: dict[int, list[Handle]] | None = None
         self._unsettled: list[Handle] = []
         self._recording = False
@@ -118,6 +121,7 @@ class Region:
         self._settle()
         self._by_storage = None
         self._shapes = {}
+        self._strides = {}
         self._ctx = None
         self._modules.clear()
         if self._live_packs == 0:
@@ -136,6 +140,22 @@ class Region:
                 if o is not None:
                     o.value = None
                     o.cache = None
+
+    # Note [Saved tensor records]
+    # The pack hook runs for every tensor autograd saves; it records the position and the
+    # handle in two flat lists, and ``saved`` pairs them up when read (the budget policy
+    # and introspection read it; plain recording never does). Appending to two lists
+    # creates no object, where a tuple per save would be one more object for the garbage
+    # collector to walk (see Note [Recording fast path]).
+    @property
+    def saved(self) -> list[tuple[int, Handle]]:
+        """Every tensor autograd saved in the region, in order: ``(number of op nodes
+        recorded before the save, handle)``. See Note [Saved tensor records]."""
+        saved = self._saved
+        n = len(saved)
+        if n < len(self._saved_handles):
+            saved.extend(zip(self._saved_at[n:], self._saved_handles[n:], strict=True))
+        return saved
 
     # ----------------------------------------------------------------- handles
     def _settle(self) -> None:
