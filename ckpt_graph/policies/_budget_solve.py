@@ -90,6 +90,7 @@ class PlanReport:
         feasible: whether the plan fits the budget (else: the lowest peak found).
         candidates: ops the planner could decide.
         reuses: regions that ran with this plan after it was made.
+        method: the starting plan the solver's local search improved (see :class:`Solution`).
     """
 
     ordinal: int
@@ -103,6 +104,7 @@ class PlanReport:
     feasible: bool
     candidates: int
     reuses: int = 0
+    method: str = ""
 
     def __str__(self) -> str:
         mib = 2.0**20
@@ -111,7 +113,8 @@ class PlanReport:
             f"MiB of {self.baseline_bytes / mib:.3f} MiB, predicted peak "
             f"{self.predicted_peak_bytes / mib:.3f} MiB"
             f"{'' if self.feasible else ' (does not fit)'}, recompute "
-            f"{self.predicted_recompute_flops:,} FLOPs in {self.recomputed_ops} ops",
+            f"{self.predicted_recompute_flops:,} FLOPs in {self.recomputed_ops} ops"
+            + (f" (from the {self.method} plan)" if self.method else ""),
             f"  {'op':>6}  {'name':<40} {'bytes':>12}",
         ]
         lines += [f"  {k.op_index:>6}  {k.op:<40} {k.nbytes:>12,d}" for k in self.kept]
