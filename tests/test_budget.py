@@ -52,7 +52,8 @@ def budgets(g: SimGraph, cands: list[int]) -> list[int]:
     return [int(lo + f * (hi - lo)) for f in (0.2, 0.5, 0.8)]
 
 
-@pytest.mark.parametrize("seed", range(30))
+# seeds 20, 64, 99: only the segment-DP seed's local optimum is within 5% (measured)
+@pytest.mark.parametrize("seed", [*range(30), 64, 99])
 def test_solver_within_5_percent_of_brute_force(seed: int) -> None:
     g = random_graph(seed, 16)
     cands = candidate_ops(g)

@@ -8,8 +8,9 @@ See Note [Memory budget planning] for how they are used and what each contribute
 # Note [Min-cut and segment DP seeds]
 # 1. Recompute model shared by both. An op runs in backward iff one of its outputs is not
 #    kept and is needed (saved, or an input of an op that runs); the cost of a plan is the sum
-#    of the costs of the ops that run (exactly the simulator's run-set, Note [Backward
-#    liveness model] rule 2). Kept bytes are the own storages of the kept candidates.
+#    of the costs of the ops that run, once each (the simulator's run-set, Note [Backward
+#    liveness model] rule 2; cheap pointwise ops the simulator runs again at each use are
+#    counted once here). Kept bytes are the own storages of the kept candidates.
 # 2. Min-cut (in the spirit of AOTAutograd's min-cut partitioner, with a recompute price).
 #    Each needed op j becomes an edge ``in_j -> out_j`` whose capacity is the bytes of its
 #    own outputs if j is a candidate (cutting it = keeping them), 0 if its outputs are kept
@@ -18,8 +19,12 @@ See Note [Memory budget planning] for how they are used and what each contribute
 #    each saved value's producer has ``out_p -> sink`` (backward needs it), and
 #    ``source -> in_j`` costs ``lam x cost(j)``: ops on the sink side are the ones that run.
 #    A minimum cut therefore minimises ``kept bytes + lam x recompute cost`` exactly for rule
-#    1's model; sweeping ``lam`` traces the lower convex hull of (kept bytes, recompute cost).
-#    What it ignores is the peak's other half: recomputed values cached during backward.
+#    1's model (tests/test_budget.py checks it against enumeration); sweeping ``lam`` traces
+#    the lower convex hull of (kept bytes, recompute cost). What it ignores is the peak's
+#    other half, the recomputed values cached during backward, so ``lam`` is chosen on the
+#    simulated peak: a grid of 5 values, then 4 bisection steps towards the largest ``lam``
+#    whose plan fits (rule 4). Identical layers tie at the same ``lam`` and would switch all
+#    at once, so op j's price is tilted by ``1 + 0.1 j / n`` (later layers are kept first).
 # 3. Segment DP (Chen et al.'s sqrt(n) checkpointing / Griewank's segments, as a DP). Cuts are
 #    positions in forward order; a cut after op i keeps every candidate produced at or before
 #    i that an op or a saved tensor after i needs (the values crossing it), so backward's
@@ -29,8 +34,12 @@ See Note [Memory budget planning] for how they are used and what each contribute
 #    knapsack on (bytes, cost): keeping c saves exactly its own cost under rule 1). The DP
 #    minimises ``recompute cost + mu x kept bytes`` over cut sequences whose segments'
 #    transient bytes stay within ``T``; values crossing several cuts are paid at each (an
-#    over-estimate). For a budget B it is swept over ``T`` (fractions of B) and, per ``T``,
-#    bisected over ``mu`` until the kept bytes fit ``B - T``.
+#    over-estimate). O(ops x segment length) per DP. For a budget B it runs for T = 0.15 B
+#    and 0.35 B, each with ``mu`` searched on the simulated peak (rule 4).
+# 4. Search over the trade-off parameter (``_bisect``): peaks are not monotone in it (keeping
+#    nothing recomputes the whole region at once), so a grid finds the fitting value on the
+#    cheap side, bisection narrows it, and both the last plan that fits and the first that
+#    does not are returned (the solver repairs the latter by greedy descent).
 """
 
 from __future__ import annotations
@@ -150,8 +159,8 @@ def _bisect(
     fits: Callable[[frozenset[int]], bool],
     *,
     grows: bool,
-    grid: int = 6,
-    steps: int = 6,
+    grid: int = 5,
+    steps: int = 4,
 ) -> list[frozenset[int]]:
     """Plans at the cheap edge of the fitting range of a parameter ``x`` in ``[lo, hi]``.
 
