@@ -83,7 +83,7 @@ _Tensor = torch.Tensor
 
 # Note [Recording fast path]
 # Most ops of a forward are plain: they write no argument, draw no random numbers and
-# return one fresh tensor that is no view. When the policy stack is constant
+# return one tensor (fresh, or a view). When the policy stack is constant
 # PREFER_RECOMPUTE ("recompute_all" alone or nested) and the op has no keyword arguments,
 # ``Recorder.__torch_dispatch__`` records such an op inline, with the same result as the
 # general path (``_record_op``, ``record_node``, ``decide``). Beyond saving calls, it saves
@@ -104,9 +104,8 @@ _Tensor = torch.Tensor
 #      ids are never reused while they are in it. ``ones_like`` always takes the general
 #      path (the seed gradient of a backward must not be recorded).
 # An op that returns no single tensor (tuple, list, non-tensor) finishes through
-# ``record_node``. Everything else (in-place, views, random ops, keyword arguments,
-# debug regions, unsettled handles, other policies, a compiled caller) takes the
-# general path.
+# ``record_node``. Everything else (in-place and random ops, keyword arguments, debug
+# regions, other policies, a compiled caller) takes the general path.
 _PLAIN: dict[int, tuple[Any, OpInfo]] = {}
 
 # Decisions that keep a value, and whether they keep it in host memory.
@@ -156,7 +155,6 @@ class Recorder(TorchDispatchMode):
         if (
             kwargs
             or region._constant is not _RECOMPUTE
-            or region._unsettled
             or not region._recording
             or region.debug
             or _dynamo_callback() is not None
@@ -166,6 +164,8 @@ class Recorder(TorchDispatchMode):
         if entry is None or _current_task() != region._task:
             return self._dispatch(func, args, kwargs)
         # See Note [Recording fast path].
+        if region._unsettled:
+            region._settle()
         nodes = region.nodes
         ids = region._ids
         inputs: list[Handle] = []
@@ -222,6 +222,12 @@ class Recorder(TorchDispatchMode):
             h.shape = region._shapes.setdefault(shape, shape)
         except TypeError:  # symbolic sizes are not hashable: no sharing
             h.shape = shape
+        if info.view_outputs:  # as in record_node
+            h.version = -1
+            region._unsettled.append(h)
+            h.is_view = True
+            if uniq:
+                uniq[0].has_views = True
         ids[id(out)] = h
         node.outputs = (h,)
         node.decision = _RECOMPUTE
@@ -254,13 +260,7 @@ def _record_op(region: Region, func: Any, args: tuple[Any, ...], kwargs: dict[st
     if region._unsettled:
         region._settle()
     info = _OP_INFO.get(func) or op_info(func)
-    if (
-        not info.writes
-        and not info.is_random
-        and not info.view_outputs
-        and func is not _ONES_LIKE
-        and id(func) not in _PLAIN
-    ):
+    if not info.writes and not info.is_random and func is not _ONES_LIKE and id(func) not in _PLAIN:
         _PLAIN[id(func)] = (func, info)
     h_args, h_kwargs, inputs = region._scan(args, kwargs)
     overwritten = (
