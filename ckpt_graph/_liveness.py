@@ -34,8 +34,10 @@ builds one from a recorded region.
 #    activation memory = storages of live kept values + cached or held recomputed values.
 # 4. Gradients and temporaries: total memory = activation memory + gradient buffers + the
 #    temporaries of the op running now. The gradient of an op output (floating, not a view)
-#    is alive from the step of its last consumer (or from the start for a region output) to
-#    the step of its producer; a region input's gradient is counted at each consumer's step
+#    is alive from the step of its last consumer (or from the start for a region output:
+#    a value no op reads and autograd does not save, unlike ``native_layer_norm``'s mean
+#    and ``native_batch_norm``'s inverse deviation, which get no gradient) to the step of
+#    its producer; a region input's gradient is counted at each consumer's step
 #    only (parameters accumulate into ``.grad`` at once), and so is the contribution of an
 #    earlier consumer to an existing gradient (allocated, then added to the buffer). An op
 #    whose formula allocates no input gradient (measured: ``add`` hands its output's

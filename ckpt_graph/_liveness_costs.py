@@ -387,6 +387,10 @@ def from_region(
         ops.append(SimOp(ins, tuple(outs), cost, info.name, ws.backward, ws.recompute, pointwise))
         used.update(id(i) for i in node.inputs)
     saved = _steps_of_saves(region, vid, ops, workspaces)
+    read = {values[i].storage for op in ops for i in op.inputs}
+    for _, v in saved:  # saved but never read (batch norm's save_mean): no gradient
+        if v not in read and values[v].storage == v:
+            floating[v] = False
     ws_items = workspaces.items() if workspaces is not None else ()
     return SimGraph(
         tuple(values),
