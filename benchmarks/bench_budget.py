@@ -257,8 +257,8 @@ def main() -> None:
         "recomputed op (real tensors, ``CacheProbe``); *step peak* = measured peak of the whole step "
         "(forward + backward, includes gradient buffers, logits and autograd temporaries); "
         "*TUC k* = fewest blocks under torch.utils.checkpoint with a measured step peak <= the "
-        "planner's; costs are recompute costs per step (simulated for the plan, predicted "
-        "= what the engine ran).",
+        "planner's; *recompute cost* = the plan's simulated recompute cost per step; "
+        "*recomputed ops* = ops the engine ran again in the measured step.",
         "",
         "| budget | budget MiB | predicted MiB | engine MiB | engine / budget | step peak MiB "
         "| recompute cost | recomputed ops | TUC k | TUC step peak MiB | TUC recompute cost |",

@@ -46,11 +46,11 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .._liveness import SimGraph
 
-__all__ = ["mincut_plan", "mincut_sweep", "segment_dp", "segment_dp_sweep"]
+__all__ = ["candidate_ops", "mincut_plan", "mincut_sweep", "segment_dp", "segment_dp_sweep"]
 
 _INF = float("inf")
 _TILT = 0.1
@@ -67,6 +67,24 @@ def _needed(g: SimGraph) -> list[bool]:
             for i in op.inputs:
                 needed[i] = True
     return needed
+
+
+def candidate_ops(g: SimGraph, ops: Iterable[int] | None = None) -> list[int]:
+    """Ops worth deciding: they have a non-fixed, non-view output that backward may need.
+
+    Example:
+        >>> candidate_ops(graph)  # doctest: +SKIP
+        [0, 2, 5]
+    """
+    needed = _needed(g)
+    pool = range(len(g.ops)) if ops is None else ops
+    return [
+        j
+        for j in pool
+        if any(
+            needed[o] and g.values[o].storage == o and o not in g.fixed for o in g.ops[j].outputs
+        )
+    ]
 
 
 def _free(g: SimGraph, v: int) -> bool:

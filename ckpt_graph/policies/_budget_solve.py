@@ -45,10 +45,10 @@
 # budgets, <= 18 candidates) the greedy + simulated seeds alone were more than 5% above the
 # brute-force optimum in 3 of 450 cases (worst +150%); with every seed none is (every case
 # optimal). The 3 fixes come from the segment DP; min-cut seeds never won strictly there.
-# On the 12-layer GPT (382 ops, 125 candidates) the greedy seed's local optimum was the
-# cheapest or tied at every budget from 20% to 90% with this simulator (with the previous
-# one, min-cut and segment-DP seeds improved 40-50% budgets by 5-14%); the graph seeds cost
-# about 1 s of planning there (2-4 s in all on a loaded 2-core machine, vs 1-2 s before).
+# On the 12-layer GPT of benchmarks/bench_budget.py (381 ops, 125 candidates) the greedy
+# seed's local optimum was the cheapest (or tied) at budgets 20-80%; at 90% the min-cut
+# seed's was 3.4% cheaper. There the graph seeds add about 1 s of planning (1.1-1.7 s per
+# plan in all on a loaded 2-core machine, vs 0.3-0.7 s with the greedy seeds only).
 # ``brute_force`` enumerates every subset (reference for tests on graphs of <= 18 candidates).
 """
 
@@ -60,7 +60,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .._liveness import SimGraph, SimResult, simulate
-from ._budget_graph import mincut_sweep, segment_dp_sweep
+from ._budget_graph import candidate_ops, mincut_sweep, segment_dp_sweep
 
 __all__ = [
     "SEEDS",
@@ -151,26 +151,6 @@ class Solution:
     result: SimResult
     feasible: bool
     method: str = ""
-
-
-def candidate_ops(g: SimGraph, ops: Iterable[int] | None = None) -> list[int]:
-    """Ops worth deciding: they have a non-fixed, non-view output that backward may need."""
-    values = g.values
-    needed = [False] * len(values)
-    for _, v in g.saved:
-        needed[v] = True
-    for j in range(len(g.ops) - 1, -1, -1):
-        op = g.ops[j]
-        if any(needed[o] for o in op.outputs):
-            for i in op.inputs:
-                needed[i] = True
-    pool = range(len(g.ops)) if ops is None else ops
-    out = []
-    for j in pool:
-        outs = g.ops[j].outputs
-        if any(needed[o] and values[o].storage == o and o not in g.fixed for o in outs):
-            out.append(j)
-    return out
 
 
 def _run_cost(g: SimGraph, kept: Sequence[bool]) -> int:
@@ -376,7 +356,7 @@ class _Search:
     def improve(
         self, candidates: Sequence[int], best: SimResult, kept: set[int]
     ) -> tuple[SimResult, set[int]]:
-        """Local search from a feasible plan (step 3 of Note [Memory budget planning])."""
+        """Local search from a feasible plan (step 6 of Note [Memory budget planning])."""
         improved = True
         while improved and not self.spent:
             improved = False
