@@ -291,7 +291,7 @@ def test_first_step_heuristic_roughly_respects_the_budget(fraction: float) -> No
 
 @functools.cache
 def measured_gpt() -> tuple[GPT, torch.Tensor, int, list[torch.Tensor]]:
-    """A zoo GPT whose gradients accumulate in place, its batch, and a plain step's peak and grads."""
+    """A zoo GPT (gradients accumulate in place), its batch, a plain step's peak and grads."""
     torch.manual_seed(0)
     model = GPT(128, 64, 4, 4, 32).train()
     x = torch.randint(0, 128, (4, 32))

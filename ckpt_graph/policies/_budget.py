@@ -32,18 +32,21 @@
 #    b. Chains: for each recomputed value the policy tracks the set of recomputed op outputs
 #       backward must run to recompute it (its inputs' sets, stopping at kept values) and
 #       their bytes (``chain``): roughly what realizing it caches at once. A value whose
-#       chain reaches ``_SEGMENT`` x allowance is kept (a periodic keep: its consumers start
-#       new chains). On a transformer these are mostly residual-stream values, the ones that
-#       cut every later chain. (Before: a residual-add rule plus keeping whatever op came
-#       after N ops; on a 4-layer GPT at 20% its first step peaked at 3.6x the budget.)
+#       chain reaches ``_SEGMENT`` x allowance or ``_CHAIN_OPS`` ops is kept (a periodic
+#       keep: its consumers start new chains; the op bound also bounds the bookkeeping). On
+#       a transformer these are mostly residual-stream values, which cut every later chain.
+#       (Before: a residual-add rule plus keeping whatever op came after N ops; on a 4-layer
+#       GPT at 20% that first step peaked at 3.6x the budget.)
 #    c. Expensive ops first: other values are kept while kept bytes + the value + the
 #       longest chain left recomputed so far (the reserve for backward's cached values) stay
 #       within the allowance for ops with a FLOP formula (matmuls, convolutions, attention:
 #       many FLOPs per byte), within ``_CHEAP`` x allowance for the others.
-#    In-place ops, views and ops without tensor outputs are recomputed. Measured on the zoo
-#    and GPTs (tests/test_budget.py, benchmarks/results_budget.md), the first step's
-#    simulated peak is 0.7-1.3x the budget where a plan can fit it; its recompute is up to
-#    ~4x the plan's at 90% (the reserve in c stays conservative when nearly all is kept).
+#    In-place ops, views and ops without tensor outputs are recomputed. Measured (zoo, GPTs:
+#    tests/test_budget.py, benchmarks/results_budget.md): the first step's simulated peak is
+#    0.8-1.3x the budget where a plan can fit it (before: up to 3.6x, and 0.2x at 90%); its
+#    recompute is 1.25-2.2x the plan's at 20-40% on the benchmark's 12-layer GPT but far
+#    above it at 60-90%, where the plan recomputes only cheap ops (the reserve in c stays
+#    conservative, and the first matmuls do not fit the allowance yet).
 # 6. Signatures skip ``aten.detach`` ops (always recomputed: views, no memory): keeping a
 #    value can make the engine record one (core_bugs.md), which would shift positions
 #    between a step decided by the heuristic and one decided by the plan.
@@ -67,6 +70,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KeptTensor", "MemoryBudget", "PlanReport", "memory_budget"]
 
+_CHAIN_OPS = 200
 _CHEAP = 0.9
 _DETACH = "aten.detach.default"
 _SEGMENT = 0.3
@@ -253,6 +257,7 @@ class MemoryBudget:
         limit = allowance if flops > 0 else _CHEAP * allowance
         keep: bool = kept + nbytes <= allowance and (
             chain_bytes >= _SEGMENT * allowance  # rule 5b: a periodic keep
+            or len(chain) >= _CHAIN_OPS
             or kept + nbytes + max(run.longest, chain_bytes) <= limit
         )
         if not keep:

@@ -103,7 +103,9 @@ def _own_bytes(g: SimGraph, op: int) -> int:
 def mincut_plan(
     g: SimGraph, candidates: Sequence[int], lam: float, *, tilt: float = 0.0
 ) -> frozenset[int]:
-    """Kept ops minimising ``kept bytes + lam x recompute cost``. See Note [Min-cut and segment DP seeds].
+    """Kept ops minimising ``kept bytes + lam x recompute cost``.
+
+    See Note [Min-cut and segment DP seeds] rule 2.
 
     ``tilt`` > 0 prices op j's recompute ``1 + tilt x j / len(ops)`` times its cost (ties
     between identical layers then break towards keeping later ones).
@@ -155,7 +157,9 @@ def mincut_sweep(
     (ties) switch one after the other as ``lam`` grows, not all at once.
 
     Example:
-        >>> plans = mincut_sweep(graph, cands, lambda k: simulate(graph, k).peak_bytes, budget)  # doctest: +SKIP
+        >>> def peak(kept):
+        ...     return simulate(graph, kept).peak_bytes
+        >>> plans = mincut_sweep(graph, cands, peak, budget)  # doctest: +SKIP
     """
     ratios = [_own_bytes(g, j) / g.ops[j].cost for j in candidates if g.ops[j].cost > 0]
     ratios = [r for r in ratios if r > 0]
@@ -250,7 +254,8 @@ def segment_dp(tables: _Segments, mu: float, transient: float) -> tuple[frozense
     """Kept ops of the best cut sequence for ``mu`` and ``transient`` and their kept bytes.
 
     Example:
-        >>> segment_dp(_Segments(graph, candidate_ops(graph)), mu=1e-3, transient=2**20)  # doctest: +SKIP
+        >>> tables = _Segments(graph, candidate_ops(graph))  # doctest: +SKIP
+        >>> segment_dp(tables, mu=1e-3, transient=2**20)  # doctest: +SKIP
     """
     t = tables
     inner = [mu * b < c for b, c in zip(t.nbytes, t.cost, strict=True)]
@@ -305,7 +310,9 @@ def segment_dp_sweep(
     """Segment-DP plans for transient allowances ``f x budget``, ``mu`` bisected on ``peak``.
 
     Example:
-        >>> plans = segment_dp_sweep(graph, cands, lambda k: simulate(graph, k).peak_bytes, budget)  # doctest: +SKIP
+        >>> def peak(kept):
+        ...     return simulate(graph, kept).peak_bytes
+        >>> plans = segment_dp_sweep(graph, cands, peak, budget)  # doctest: +SKIP
     """
     tables = _Segments(g, candidates)
     ratios = [c / b for b, c in zip(tables.nbytes, tables.cost, strict=True) if b > 0 and c > 0]

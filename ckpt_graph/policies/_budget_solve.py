@@ -30,13 +30,13 @@
 #   6. Local search from the greedy seeds that fit, sharing ``max_evals`` (simulations and
 #      marginal-cost sweeps, each O(ops); simulations are cached), then from the cheapest
 #      fitting plan of each graph seed with ``max_evals / 4`` more each (so the graph seeds
-#      never take evaluations from the greedy search): drop kept ops whose recompute costs nothing; then for each
-#      dropped op (most expensive first) keep it again and *repair*: drop kept ops until the
-#      plan fits again, each drop the best of the ``_TRY`` cheapest per byte by simulation
-#      (large plans: the cheapest per byte); accept the move when the repaired plan is
-#      cheaper (1-for-1 and 1-for-k swaps). Up to ``_PAIRS`` candidates it also tries keeping
-#      two dropped ops at once. The cheapest local optimum wins (ties: the earliest seed
-#      above), and ``Solution.method`` names its seed.
+#      never take evaluations from the greedy search). A pass drops kept ops whose recompute
+#      costs nothing; then for each dropped op (most expensive first) keeps it again and
+#      *repairs*: drops kept ops until the plan fits, each drop the best of the ``_TRY``
+#      cheapest per byte by simulation (large plans: the cheapest per byte); a move is
+#      accepted when the repaired plan is cheaper (1-for-1 and 1-for-k swaps). Up to
+#      ``_PAIRS`` candidates it also tries keeping two dropped ops at once. The cheapest
+#      local optimum wins (ties: the earliest seed above); ``Solution.method`` names it.
 #   7. If no plan fits (the budget is below what recompute can reach: inputs of every
 #      backward step must exist at once), the plan with the lowest simulated peak is returned
 #      with ``feasible=False`` and the caller warns.
