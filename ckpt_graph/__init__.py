@@ -8,8 +8,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import memory, policies
 from ._errors import CkptGraphError
+from .api import checkpoint, save_recompute_policy, tag_with_policy
 from .memory import MemoryReport, measure
-from .region import Region, checkpoint, save_recompute_policy, tag_with_policy
+from .region import Region
 from .wrap import unwrap, wrap
 
 __all__ = [

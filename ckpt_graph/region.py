@@ -9,8 +9,7 @@ saved-tensor hooks pack handles instead of tensors (see ``hooks.py``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
@@ -19,15 +18,14 @@ from . import _modules, graph
 from ._errors import CkptGraphError
 from .graph import Handle, OpNode, version_of
 from .hooks import pack_hook_for, unpack_hook_for_autograd
-from .policies._core import POLICY_NAMES, PolicyContext, PolicyFn, normalize_policy, resolve
+from .mutation import index_storage
+from .policies._core import POLICY_NAMES, PolicyContext, PolicyFn, resolve
 from .policies._core import to_decision as _to_decision
 from .realize import PassState, count_live_uses, lose_use
 from .record import KEEP as _KEEP
-from .record import Recorder, index_storage
+from .record import Recorder
 
-__all__ = ["Region", "checkpoint", "current_region", "save_recompute_policy", "tag_with_policy"]
-
-T = TypeVar("T")
+__all__ = ["Region", "current_region"]
 
 _tls = threading.local()
 _DK = torch._C.DispatchKey
@@ -294,6 +292,8 @@ class Region:
 
     def tag(self, t: torch.Tensor, policy: CheckpointPolicy | bool) -> None:
         """Override the decision for the value ``t`` holds. See ``tag_with_policy``."""
+        from .api import tag_with_policy  # late: api imports this module
+
         decision = _to_decision(policy, tag_with_policy, "tag_with_policy")
         if decision is None:
             raise TypeError(
@@ -361,91 +361,3 @@ class Region:
     def __repr__(self) -> str:
         state = "open" if self._open else "closed"
         return f"Region({len(self.nodes)} ops, {self.kept_bytes} kept bytes, {state})"
-
-
-class save_recompute_policy:
-    """Run a region of forward code with graph-based activation checkpointing.
-
-    Inside the block every aten op is recorded; tensors autograd saves for backward are
-    kept or recomputed in backward as the policy decides. Blocks nest: an inner block
-    pushes its policy onto the region of the outermost one, and ``as region`` gives that
-    same region at any depth. See Note [Policy stack resolution].
-
-    Args:
-        policy: ``"recompute_all"`` (default), ``"must_save_all"``, or a callable
-            ``policy(ctx, out, op, *args, **kwargs) -> CheckpointPolicy | bool | None``.
-        debug: check each recomputed value against the forward's and name the first op
-            that diverged (only honoured by the block that opens the region).
-
-    Example:
-        >>> with ckpt_graph.save_recompute_policy("recompute_all"):
-        ...     loss = model(x).sum()
-        >>> loss.backward()  # activations are recomputed on demand
-    """
-
-    def __init__(self, policy: Any = "recompute_all", *, debug: bool = False) -> None:
-        self._policy = normalize_policy(policy)
-        self._debug = debug
-        self._region: Region | None = None
-        self._opened = False
-
-    def __enter__(self) -> Region:
-        if self._region is not None:
-            raise RuntimeError("ckpt_graph: a save_recompute_policy block cannot be entered twice")
-        region = current_region()
-        if region is None:
-            region = Region(debug=self._debug)
-            region._open_region()
-            self._opened = True
-        self._region = region
-        try:
-            region._push(self._policy)
-        except BaseException:
-            if self._opened:
-                region._close_region()
-            raise
-        return region
-
-    def __exit__(self, *exc: object) -> None:
-        region = self._region
-        assert region is not None
-        try:
-            region._pop()
-        finally:
-            if self._opened:
-                region._close_region()
-
-
-def checkpoint(fn: Callable[..., T], *args: Any, policy: Any = "recompute_all", **kwargs: Any) -> T:
-    """Return ``fn(*args, **kwargs)`` computed inside a region with ``policy``.
-
-    Example:
-        >>> h = ckpt_graph.checkpoint(block, h)  # one region per block
-    """
-    with save_recompute_policy(policy):
-        return fn(*args, **kwargs)
-
-
-def tag_with_policy(tensor: torch.Tensor, policy: CheckpointPolicy | bool) -> torch.Tensor:
-    """Decide for one value: keep it (``True``/``*_SAVE``) or recompute it.
-
-    The tag overrides every op-level answer for the value ``tensor`` holds now (a view
-    tags the view's value). A region input is always kept. Returns ``tensor``.
-
-    Raises:
-        CkptGraphError: outside a ``save_recompute_policy`` block.
-
-    Example:
-        >>> with ckpt_graph.save_recompute_policy("recompute_all"):
-        ...     h = block(x)
-        ...     ckpt_graph.tag_with_policy(h, True)  # keep the block output
-    """
-    region = current_region()
-    if region is None or not region._recording:
-        raise CkptGraphError(
-            "ckpt_graph: tag_with_policy called outside a region; call it inside a "
-            "`with ckpt_graph.save_recompute_policy(...)` block, on a tensor computed there"
-        )
-    region._settle()
-    region.tag(tensor, policy)
-    return tensor

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .region import save_recompute_policy
+from .api import save_recompute_policy
 
 __all__ = ["RegionForward", "is_wrapped", "unwrap", "wrap"]
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..region import checkpoint
+from ..api import checkpoint
 
 __all__ = ["HFCheckpointFunction", "disable", "enable", "is_enabled"]
 

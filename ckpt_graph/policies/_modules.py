@@ -246,7 +246,7 @@ class save_module_outputs(Policy):
 
 
 def _tag_outputs(output: Any) -> None:
-    from ckpt_graph.region import tag_with_policy  # late: region imports this package
+    from ckpt_graph.api import tag_with_policy  # late: region imports this package
 
     for leaf in _pytree.tree_leaves(output):
         if isinstance(leaf, torch.Tensor):
