@@ -3,7 +3,9 @@
 Both work on the simulator's graph (``_liveness.SimGraph``) and return candidate plans (sets
 of kept ops); neither checks the budget itself: ``_budget_solve.solve`` simulates every seed,
 repairs the ones that do not fit and runs its local search from the cheapest.
-See Note [Memory budget planning] for how they are used and what each contributes.
+See Note [Memory budget planning] for how they are used and what each contributes. Also
+here: :func:`candidate_ops`, the :class:`Solution` record and :func:`brute_force`, the
+exact reference (every subset) the tests compare the solver with.
 
 # Note [Min-cut and segment DP seeds]
 # 1. Recompute model shared by both. An op runs in backward iff one of its outputs is not
@@ -47,10 +49,34 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
-from .._liveness import SimGraph
+from .._liveness import SimGraph, SimResult, simulate
 
-__all__ = ["candidate_ops", "mincut_plan", "mincut_sweep", "segment_dp", "segment_dp_sweep"]
+__all__ = [
+    "Solution",
+    "brute_force",
+    "candidate_ops",
+    "mincut_plan",
+    "mincut_sweep",
+    "segment_dp",
+    "segment_dp_sweep",
+]
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A plan: the kept candidate ops and what the simulator predicts for them.
+
+    ``method`` names the starting plan the local search improved (one of :data:`SEEDS`, or
+    "all" when keeping every candidate fits).
+    """
+
+    kept_ops: frozenset[int]
+    result: SimResult
+    feasible: bool
+    method: str = ""
+
 
 _INF = float("inf")
 _TILT = 0.1
@@ -334,3 +360,17 @@ def segment_dp_sweep(
             if plan not in plans:
                 plans.append(plan)
     return plans
+
+
+def brute_force(g: SimGraph, candidates: Sequence[int], budget: int) -> Solution | None:
+    """The cheapest plan that fits, by enumerating every subset (tests only: 2^n runs)."""
+    best: Solution | None = None
+    n = len(candidates)
+    for mask in range(1 << n):
+        kept = [candidates[i] for i in range(n) if mask >> i & 1]
+        r = simulate(g, kept)
+        if r.peak_bytes > budget:
+            continue
+        if best is None or r.recompute_cost < best.result.recompute_cost:
+            best = Solution(frozenset(kept), r, True)
+    return best

@@ -17,7 +17,8 @@
 #      byte freed (cost from the exact run-set sweep of the simulator, bytes from the storages
 #      no other kept value shares); marginal costs only grow as more is dropped, so a lazy
 #      priority queue re-evaluates just the head. The simulator checks the peak after each
-#      drop; the descent stops at the first plan that fits.
+#      drop (far above the budget: once the dropped bytes reach half the excess); the
+#      descent stops at the first plan that fits.
 #   3. Seed "simulated" (<= 48 candidates): the same descent, each drop chosen by simulating
 #      every choice.
 #   4. Seed "min-cut" (networkx): a minimum s-t cut minimises kept bytes + lam x recompute
@@ -26,7 +27,8 @@
 #   5. Seed "segment DP": a DP over the forward order choosing cut positions whose crossing
 #      values are kept, with segments' cached bytes bounded and a Lagrangian knapsack inside
 #      segments (Note [Min-cut and segment DP seeds] rule 3), its multiplier searched on the
-#      simulated peak. Seeds that do not fit are repaired by the greedy descent of step 2.
+#      simulated peak. Seeds that do not fit are repaired by the greedy descent of step 2
+#      (up to ``_REPAIR_SEEDS`` candidates; above, only the seeds that fit are used).
 #   6. Local search from the greedy seeds that fit, sharing ``max_evals`` (simulations and
 #      marginal-cost sweeps, each O(ops); simulations are cached), then from the cheapest
 #      fitting plan of each graph seed with ``max_evals / 4`` more each (so the graph seeds
@@ -60,7 +62,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .._liveness import SimGraph, SimResult, simulate
-from ._budget_graph import candidate_ops, mincut_sweep, segment_dp_sweep
+from ._budget_graph import Solution, brute_force, candidate_ops, mincut_sweep, segment_dp_sweep
 
 __all__ = [
     "SEEDS",
@@ -81,6 +83,8 @@ _SIM_GUIDED = 48
 _PAIRS = 24
 # Repairs simulate at most this many drops per step (the cheapest per byte).
 _TRY = 8
+# Up to this many candidates, graph seeds that do not fit are repaired by greedy descent.
+_REPAIR_SEEDS = 400
 
 
 @dataclass(frozen=True)
@@ -137,20 +141,6 @@ class PlanReport:
         ]
         lines += [f"  {k.op_index:>6}  {k.op:<40} {k.nbytes:>12,d}" for k in self.kept]
         return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class Solution:
-    """A plan: the kept candidate ops and what the simulator predicts for them.
-
-    ``method`` names the starting plan the local search improved (one of :data:`SEEDS`, or
-    "all" when keeping every candidate fits).
-    """
-
-    kept_ops: frozenset[int]
-    result: SimResult
-    feasible: bool
-    method: str = ""
 
 
 def _run_cost(g: SimGraph, kept: Sequence[bool]) -> int:
@@ -270,7 +260,7 @@ def _starts(
             r = search.sim(plan)
             if r.peak_bytes <= budget:
                 starts.append((name, r, set(plan)))
-            else:
+            elif len(candidates) <= _REPAIR_SEEDS:  # large graphs: repairs cost O(n) sims
                 starts.append((name, *search.descend(set(plan))))
     search.extra = search.evals - greedy_evals  # spent on graph seeds, not on greedy ones
     return starts
@@ -307,11 +297,15 @@ class _Search:
         return cost / max(_own_bytes(g, op), 1)
 
     def descend(self, kept: set[int]) -> tuple[SimResult, set[int]]:
-        """Lazy greedy descent (step 2 of Note [Memory budget planning])."""
+        """Lazy greedy descent (step 2 of Note [Memory budget planning]); far above the
+        budget, drops are simulated once their bytes reach half the excess (a kept value
+        lowers the peak by at most its bytes)."""
+        g = self.g
         heap = [(self.marginal(op, kept), op) for op in kept]
         heapq.heapify(heap)
         r = lowest = self.sim(kept)
         lowest_kept = set(kept)
+        batch = 0
         while heap and r.peak_bytes > self.budget:
             _, op = heapq.heappop(heap)
             fresh = self.marginal(op, kept)
@@ -319,7 +313,15 @@ class _Search:
                 heapq.heappush(heap, (fresh, op))
                 continue
             kept = kept - {op}
+            batch += _own_bytes(g, op)
+            if heap and 2 * batch < r.peak_bytes - self.budget:
+                continue
+            batch = 0
             r = self.sim(kept)
+            if r.peak_bytes < lowest.peak_bytes:
+                lowest, lowest_kept = r, kept
+        if r.peak_bytes > self.budget and batch:
+            r = self.sim(kept)  # the heap ran out mid-batch
             if r.peak_bytes < lowest.peak_bytes:
                 lowest, lowest_kept = r, kept
         return (r, kept) if r.peak_bytes <= self.budget else (lowest, lowest_kept)
@@ -382,17 +384,3 @@ class _Search:
                     kept, best, improved = trial, r, True
                     break
         return best, kept
-
-
-def brute_force(g: SimGraph, candidates: Sequence[int], budget: int) -> Solution | None:
-    """The cheapest plan that fits, by enumerating every subset (tests only: 2^n runs)."""
-    best: Solution | None = None
-    n = len(candidates)
-    for mask in range(1 << n):
-        kept = [candidates[i] for i in range(n) if mask >> i & 1]
-        r = simulate(g, kept)
-        if r.peak_bytes > budget:
-            continue
-        if best is None or r.recompute_cost < best.result.recompute_cost:
-            best = Solution(frozenset(kept), r, True)
-    return best
