@@ -56,13 +56,14 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .._liveness import from_region, simulate
+from ._budget_graph import op_flops
 from ._budget_solve import KeptTensor, PlanReport, candidate_ops, solve
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ class MemoryBudget:
         matched = [p for p in run.plans if len(p.signature) == len(run.signature)]
         if matched and not run.heuristic:
             plan = matched[0]
-            plan.report = _bump(plan.report)
+            plan.report = replace(plan.report, reuses=plan.report.reuses + 1)
             self._plans.setdefault(run.ordinal, plan)
             self._last = plan.report
             return
@@ -198,7 +199,7 @@ class MemoryBudget:
             self.on_region_enter(region)
             run = self._runs[id(region)]
             run.start = ctx.op_index
-        flops = ctx.flops
+        flops = op_flops(ctx.flops, op, args)
         run.costs[ctx.op_index] = flops if flops > 0 else _numel(out)
         if ctx.op_name == _DETACH:  # see rule 6 of Note [Memory budget policy]
             run.answers[ctx.op_index] = False
@@ -375,12 +376,6 @@ def _aliases(out: Any, args: tuple[Any, ...]) -> bool:
         return False
     ptrs = {t.untyped_storage().data_ptr() for t in _tensors(args)}
     return all(o.untyped_storage().data_ptr() in ptrs for o in outs)
-
-
-def _bump(report: PlanReport) -> PlanReport:
-    from dataclasses import replace
-
-    return replace(report, reuses=report.reuses + 1)
 
 
 def _shapes(out: Any) -> tuple[tuple[int, ...], ...]:

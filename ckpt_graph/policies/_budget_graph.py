@@ -3,9 +3,7 @@
 Both work on the simulator's graph (``_liveness.SimGraph``) and return candidate plans (sets
 of kept ops); neither checks the budget itself: ``_budget_solve.solve`` simulates every seed,
 repairs the ones that do not fit and runs its local search from the cheapest.
-See Note [Memory budget planning] for how they are used and what each contributes. Also
-here: :func:`candidate_ops`, the :class:`Solution` record and :func:`brute_force`, the
-exact reference (every subset) the tests compare the solver with.
+See Note [Memory budget planning]. Also: candidate_ops, op_flops, Solution, brute_force.
 
 # Note [Min-cut and segment DP seeds]
 # 1. Recompute model shared by both. An op runs in backward iff one of its outputs is not
@@ -39,9 +37,9 @@ exact reference (every subset) the tests compare the solver with.
 #    over-estimate). O(ops x segment length) per DP. For a budget B it runs for T = 0.15 B
 #    and 0.35 B, each with ``mu`` searched on the simulated peak (rule 4).
 # 4. Search over the trade-off parameter (``_bisect``): peaks are not monotone in it (keeping
-#    nothing recomputes the whole region at once), so a grid finds the fitting value on the
-#    cheap side, bisection narrows it, and both the last plan that fits and the first that
-#    does not are returned (the solver repairs the latter by greedy descent).
+#    nothing recomputes everything at once), so a grid finds the fitting value on the cheap
+#    side, bisection narrows it; the last plan that fits and the first that does not are
+#    returned (the solver repairs the latter).
 """
 
 from __future__ import annotations
@@ -50,7 +48,11 @@ import bisect
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from torch.utils.flop_counter import sdpa_flop_count
+
+from .._analysis_core import _SDPA_NO_FORMULA
 from .._liveness import SimGraph, SimResult, simulate
 
 __all__ = [
@@ -59,6 +61,7 @@ __all__ = [
     "candidate_ops",
     "mincut_plan",
     "mincut_sweep",
+    "op_flops",
     "segment_dp",
     "segment_dp_sweep",
 ]
@@ -79,6 +82,28 @@ class Solution:
 
 
 _INF = float("inf")
+
+
+def op_flops(ctx_flops: int, op: Any, args: Sequence[Any]) -> int:
+    """FLOPs of one op for the planner: ``ctx.flops``, and attention where it says 0.
+
+    (No ``flop_counter`` formula covers the CPU flash-attention overloads; ``analysis`` uses
+    the generic attention formula, as here.)
+
+    Example:
+        >>> op_flops(ctx.flops, op, args)  # doctest: +SKIP
+        4194304
+    """
+    if ctx_flops > 0:
+        return ctx_flops
+    if getattr(op, "overloadpacket", None) in _SDPA_NO_FORMULA and len(args) >= 3:
+        try:
+            return int(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
+        except Exception:  # shapes the formula does not understand: unknown cost
+            pass
+    return 0
+
+
 _TILT = 0.1
 
 
@@ -212,11 +237,9 @@ def _bisect(
 ) -> list[frozenset[int]]:
     """Plans at the cheap edge of the fitting range of a parameter ``x`` in ``[lo, hi]``.
 
-    ``grows``: whether plans keep more (recompute less) as ``x`` grows. Peaks are not monotone
-    in ``x`` (keeping nothing recomputes everything at once), so a grid finds the fitting
-    ``x`` on the cheap side, then bisection moves it towards the next grid point; returned:
-    the last plan that fits and the first that does not (the solver repairs it), or, if no
-    grid plan fits, every grid plan. At most ``grid + steps`` plans are made.
+    ``grows``: whether plans keep more as ``x`` grows. See rule 4 of Note [Min-cut and
+    segment DP seeds]; if no grid plan fits, every grid plan is returned. At most ``grid +
+    steps`` plans are made.
     """
     xs = [lo + (hi - lo) * k / (grid - 1) for k in range(grid)]
     if not grows:
