@@ -44,7 +44,7 @@
 #    In-place ops, views and ops without tensor outputs are recomputed. Measured (zoo, GPTs:
 #    tests/test_budget.py, benchmarks/results_budget.md): the first step's simulated peak is
 #    0.8-1.3x the budget where a plan can fit it (before: up to 3.6x, and 0.2x at 90%); its
-#    recompute is 1.25-2.2x the plan's at 20-40% on the benchmark's 12-layer GPT but far
+#    recompute is 1.2-2.0x the plan's at 20-40% on the benchmark's 12-layer GPT but far
 #    above it at 60-90%, where the plan recomputes only cheap ops (the reserve in c stays
 #    conservative, and the first matmuls do not fit the allowance yet).
 # 6. Signatures skip ``aten.detach`` ops (always recomputed: views, no memory): keeping a

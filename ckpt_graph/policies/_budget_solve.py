@@ -47,11 +47,11 @@
 # budgets, <= 18 candidates) the greedy + simulated seeds alone were more than 5% above the
 # brute-force optimum in 3 of 450 cases (worst +150%); with every seed none is (every case
 # optimal). The 3 fixes come from the segment DP; min-cut seeds never won strictly there.
-# On the 12-layer GPT of benchmarks/bench_budget.py (381 ops, 125 candidates) the greedy
-# seed's local optimum was the cheapest (or tied) at budgets 20-80%; at 90% the min-cut
-# seed's was 3.4% cheaper. There the graph seeds add about 1 s of planning (1.0-1.5 s per
-# plan in all on a shared 2-core machine, vs 0.2-0.4 s with the greedy seeds only). On a
-# 2000-op elementwise chain at 30% only the segment DP found a plan that fits (7 s).
+# On the 12-layer GPT of benchmarks/bench_budget.py (381 ops, 125 candidates) the min-cut
+# seed's local optimum was 4.4% cheaper at 20%; at 30-90% the greedy seed's was the cheapest
+# (or tied). There the graph seeds add about 1 s of planning (1.0-1.7 s per plan in all on a
+# shared 2-core machine, vs 0.2-0.5 s with the greedy seeds only). On a 2000-op elementwise
+# chain at 30% only the segment DP found a plan that fits (7 s).
 # ``brute_force`` enumerates every subset (reference for tests on graphs of <= 18 candidates).
 """
 
