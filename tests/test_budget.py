@@ -326,3 +326,20 @@ def test_first_step_measured_peak_is_roughly_within_the_budget(fraction: float) 
     assert first - others <= 1.3 * report.budget_bytes
     # and it does not simply recompute everything: at least half the budget is used
     assert first - others >= 0.5 * report.budget_bytes
+
+
+def test_attention_is_costed_by_its_flops_and_kept_when_the_budget_allows() -> None:
+    # ctx.flops has no formula for the CPU flash-attention op; costed as elementwise, the
+    # planner recomputed it (3 of 4 attention ops at 70% on this model).
+    torch.manual_seed(0)
+    model = GPT(128, 64, 4, 4, 32).train()
+    x = torch.randint(0, 128, (4, 32))
+    policy = memory_budget(0.7)
+    for _ in range(2):  # plan, then apply
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with cg.save_recompute_policy(policy) as region:
+                y = model(x)
+        y.pow(2).mean().backward()
+    attention = [n for n in region.nodes if "scaled_dot_product" in n.info.name]
+    assert len(attention) == 4 and all(n.realized == 0 for n in attention)
