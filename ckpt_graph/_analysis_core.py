@@ -30,7 +30,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 if TYPE_CHECKING:
@@ -52,14 +51,7 @@ __all__ = [
     "written_input",
 ]
 
-_aten = torch.ops.aten
-# CPU SDPA kernels without a registered formula: same cost as the registered SDPA ones.
-_SDPA_NO_FORMULA = frozenset(
-    {
-        _aten._scaled_dot_product_flash_attention_for_cpu,
-        _aten._scaled_dot_product_fused_attention_overrideable,
-    }
-)
+from .policies._core import SDPA_NO_FORMULA as _SDPA_NO_FORMULA
 
 
 def _shapes(a: Any) -> Any:

@@ -329,8 +329,8 @@ def test_first_step_measured_peak_is_roughly_within_the_budget(fraction: float) 
 
 
 def test_attention_is_costed_by_its_flops_and_kept_when_the_budget_allows() -> None:
-    # ctx.flops has no formula for the CPU flash-attention op; costed as elementwise, the
-    # planner recomputed it (3 of 4 attention ops at 70% on this model).
+    # torch's flop counter has no formula for the CPU flash-attention op; costed as
+    # elementwise, the planner recomputed it (3 of 4 attention ops at 70% on this model).
     torch.manual_seed(0)
     model = GPT(128, 64, 4, 4, 32).train()
     x = torch.randint(0, 128, (4, 32))

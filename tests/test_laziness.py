@@ -323,6 +323,24 @@ def test_policy_called_once_per_op_never_in_backward() -> None:
     assert len(rec.calls) == 3
 
 
+def test_ctx_flops_of_matmul_and_attention() -> None:
+    """``ctx.flops`` uses torch's flop counter, and the attention formula for the CPU
+    flash-attention kernel, which has no registered formula."""
+    rec = _Recorder()
+    q = leaf(2, 4, 16, 8)
+    w = leaf(8, 8, seed=1)
+    with cg.save_recompute_policy(rec):
+        a = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        (a @ w).sum()
+    flops = {op: c["flops"] for (op, _), c in zip(rec.calls, rec.ctx, strict=True)}
+    b, h, t, d = q.shape
+    assert flops["aten._scaled_dot_product_flash_attention_for_cpu.default"] == 2 * (
+        2 * b * h * t * t * d
+    )
+    assert flops["aten.mm.default"] == 2 * (b * h * t) * d * d
+    assert flops["aten.sum.default"] == 0
+
+
 def test_every_policy_of_the_stack_called_once_per_op() -> None:
     outer, inner = _Recorder(), _Recorder()
     x = leaf(3, 4)

@@ -63,7 +63,6 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .._liveness import from_region, simulate
-from ._budget_graph import op_flops
 from ._budget_solve import KeptTensor, PlanReport, candidate_ops, solve
 
 if TYPE_CHECKING:
@@ -199,7 +198,7 @@ class MemoryBudget:
             self.on_region_enter(region)
             run = self._runs[id(region)]
             run.start = ctx.op_index
-        flops = op_flops(ctx.flops, op, args)
+        flops = ctx.flops
         run.costs[ctx.op_index] = flops if flops > 0 else _numel(out)
         if ctx.op_name == _DETACH:  # see rule 6 of Note [Memory budget policy]
             run.answers[ctx.op_index] = False

@@ -3,7 +3,7 @@
 Both work on the simulator's graph (``_liveness.SimGraph``) and return candidate plans (sets
 of kept ops); neither checks the budget itself: ``_budget_solve.solve`` simulates every seed,
 repairs the ones that do not fit and runs its local search from the cheapest.
-See Note [Memory budget planning]. Also: candidate_ops, op_flops, Solution, brute_force.
+See Note [Memory budget planning]. Also: candidate_ops, Solution, brute_force.
 
 # Note [Min-cut and segment DP seeds]
 # 1. Recompute model shared by both. An op runs in backward iff one of its outputs is not
@@ -48,11 +48,7 @@ import bisect
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from torch.utils.flop_counter import sdpa_flop_count
-
-from .._analysis_core import _SDPA_NO_FORMULA
 from .._liveness import SimGraph, SimResult, simulate
 
 __all__ = [
@@ -61,7 +57,6 @@ __all__ = [
     "candidate_ops",
     "mincut_plan",
     "mincut_sweep",
-    "op_flops",
     "segment_dp",
     "segment_dp_sweep",
 ]
@@ -82,26 +77,6 @@ class Solution:
 
 
 _INF = float("inf")
-
-
-def op_flops(ctx_flops: int, op: Any, args: Sequence[Any]) -> int:
-    """FLOPs of one op for the planner: ``ctx.flops``, and attention where it says 0.
-
-    (No ``flop_counter`` formula covers the CPU flash-attention overloads; ``analysis`` uses
-    the generic attention formula, as here.)
-
-    Example:
-        >>> op_flops(ctx.flops, op, args)  # doctest: +SKIP
-        4194304
-    """
-    if ctx_flops > 0:
-        return ctx_flops
-    if getattr(op, "overloadpacket", None) in _SDPA_NO_FORMULA and len(args) >= 3:
-        try:
-            return int(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
-        except Exception:  # shapes the formula does not understand: unknown cost
-            pass
-    return 0
 
 
 _TILT = 0.1

@@ -228,14 +228,28 @@ def tensor_bytes(out: Any) -> int:
     return 0
 
 
+_aten = torch.ops.aten
+# Attention kernels without a registered formula (the CPU flash-attention overloads): they
+# cost what the registered SDPA kernels cost (``sdpa_flop_count`` on q, k, v shapes).
+SDPA_NO_FORMULA = frozenset(
+    {
+        _aten._scaled_dot_product_flash_attention_for_cpu,
+        _aten._scaled_dot_product_fused_attention_overrideable,
+    }
+)
+
+
 def estimate_flops(op: Any, out: Any, args: Any, kwargs: Any) -> int:
     """FLOPs of one call from ``torch.utils.flop_counter``'s formulas (0 if none)."""
-    from torch.utils.flop_counter import flop_registry
+    from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-    formula = flop_registry.get(getattr(op, "overloadpacket", None))
-    if formula is None:
-        return 0
+    packet = getattr(op, "overloadpacket", None)
     try:
+        if packet in SDPA_NO_FORMULA:
+            return int(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
+        formula = flop_registry.get(packet)
+        if formula is None:
+            return 0
         return int(formula(*args, **kwargs, out_val=out))
     except Exception:  # a formula that does not understand this overload: unknown cost
         return 0
