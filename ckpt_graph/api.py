@@ -24,6 +24,17 @@ __all__ = ["checkpoint", "save_recompute_policy", "tag_with_policy"]
 T = TypeVar("T")
 
 
+# Note [Foreign saved-tensor hooks]
+# A block nested in an open region only pushes its policy: the region's saved-tensor hooks
+# are already installed. Other code may have pushed hooks of its own on top of them since
+# (``torch.utils.checkpoint`` around the nested block, ``save_on_cpu``); those would take
+# the tensors saved inside the nested block. For torch's checkpoint that is wrong: in its
+# recompute (during backward, no region open) the same block opens a region of its own,
+# which takes the saves, and torch finds fewer saved tensors than in forward. So a nested
+# block whose region's hooks are not on top pushes them again for its extent: its saves go
+# to the region, as they would without the foreign hooks, in forward and in recompute alike.
+
+
 class save_recompute_policy:
     """Run a region of forward code with graph-based activation checkpointing.
 
@@ -49,6 +60,7 @@ class save_recompute_policy:
         self._debug = debug
         self._region: Region | None = None
         self._opened = False
+        self._hooks: Any = None
 
     def __enter__(self) -> Region:
         if self._region is not None:
@@ -58,12 +70,16 @@ class save_recompute_policy:
             region = Region(debug=self._debug)
             region._open_region()
             self._opened = True
+        else:
+            # See Note [Foreign saved-tensor hooks].
+            self._hooks = region._hooks_for_nested_block()
+            if self._hooks is not None:
+                self._hooks.__enter__()
         self._region = region
         try:
             region._push(self._policy)
         except BaseException:
-            if self._opened:
-                region._close_region()
+            self._leave(region)
             raise
         return region
 
@@ -73,8 +89,14 @@ class save_recompute_policy:
         try:
             region._pop()
         finally:
-            if self._opened:
-                region._close_region()
+            self._leave(region)
+
+    def _leave(self, region: Region) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+        if self._opened:
+            region._close_region()
 
 
 def checkpoint(fn: Callable[..., T], *args: Any, policy: Any = "recompute_all", **kwargs: Any) -> T:

@@ -83,6 +83,7 @@ class Region:
         self._ctx: PolicyContext | None = None
         self._modules = _modules.ModuleStack()
         self._exits: list[Any] = []
+        self._hook_fns: tuple[Any, Any] | None = None  # while open: refers to the region
         self._pass = PassState()
 
     # ----------------------------------------------------------------- lifecycle
@@ -97,15 +98,25 @@ class Region:
         self._ctx = PolicyContext(self)
         _tls.region = self
         _modules.install_hooks()
-        hooks = torch.autograd.graph.saved_tensors_hooks(
-            pack_hook_for(self), unpack_hook_for_autograd()
-        )
+        self._hook_fns = (pack_hook_for(self), unpack_hook_for_autograd())
+        hooks = torch.autograd.graph.saved_tensors_hooks(*self._hook_fns)
         recorder = Recorder(self)
         hooks.__enter__()
         recorder.__enter__()
         self._exits = [recorder, hooks]
         self._open = True
         self._recording = True
+
+    def _hooks_for_nested_block(self) -> Any:
+        """Saved-tensor hooks a nested block must push again, or ``None``.
+
+        See Note [Foreign saved-tensor hooks].
+        """
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        fns = self._hook_fns
+        if not self._open or fns is None or (top is not None and top[0] is fns[0]):
+            return None
+        return torch.autograd.graph.saved_tensors_hooks(*fns)
 
     def _close_region(self) -> None:
         self._recording = False
@@ -114,6 +125,7 @@ class Region:
         for cm in self._exits:
             cm.__exit__(None, None, None)
         self._exits = []
+        self._hook_fns = None
         _modules.uninstall_hooks()
         _tls.region = None
         self._settle()

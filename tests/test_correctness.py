@@ -774,8 +774,8 @@ def test_torch_checkpoint_inside_region(policy: Any, reentrant: bool) -> None:
     check(fn, [leaf(3, 4), leaf(3, 4, seed=2)], policy)
 
 
-@pytest.mark.xfail(reason="core bug #14, see notes", strict=True)
 def test_nested_block_inside_torch_checkpoint_inside_region() -> None:
+    """See Note [Foreign saved-tensor hooks]."""
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
     def wrapped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -790,6 +790,50 @@ def test_nested_block_inside_torch_checkpoint_inside_region() -> None:
         [leaf(3, 4), leaf(3, 4, seed=2)],
     )
     assert_same(ref, run(fn, [leaf(3, 4), leaf(3, 4, seed=2)], "recompute_all"))
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["no_outer_region", "outer_region"])
+def test_torch_checkpoint_with_ops_around_a_nested_block(outer: bool) -> None:
+    """torch's checkpoint saves the ops outside the block itself, the block's go to ckpt_graph;
+    torch's recompute (in backward) finds the same number of saved tensors as its forward."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    def wrapped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a = a.exp()  # saved by torch's checkpoint
+        with cg.save_recompute_policy("recompute_all"):
+            h = _inner_block(a, b)
+        return h * a
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch_checkpoint(wrapped, x.cos(), w, use_reentrant=False).sin()
+
+    ref = run(fn, [leaf(3, 4), leaf(3, 4, seed=2)])
+    got = run(fn, [leaf(3, 4), leaf(3, 4, seed=2)], "recompute_all" if outer else None)
+    assert_same(ref, got)
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", "must_save_all"])
+def test_nested_block_inside_save_on_cpu_inside_region(policy: str) -> None:
+    """The nested block's saves go to the region, not to the hooks pushed in between."""
+
+    def fn(scope: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        with scope() as region:
+            h = x.cos()
+            with torch.autograd.graph.save_on_cpu():
+                inner = (
+                    cg.save_recompute_policy(policy)
+                    if region is not None
+                    else contextlib.nullcontext()
+                )
+                with inner:
+                    h = _inner_block(h, w)
+            return h.sin()
+
+    _, got = check(fn, [leaf(3, 4), leaf(3, 4, seed=2)], scoped=True)
+    region = got.region
+    assert region is not None
+    saved_by = {region.nodes[h.node_index].info.name for _, h in region.saved if h.node_index >= 0}
+    assert {"aten.exp.default", "aten.tanh.default"} <= saved_by  # inside the nested block
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=["recompute_all", "must_save_all", "save_matmuls"])
