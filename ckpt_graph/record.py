@@ -45,7 +45,8 @@ _Tensor = torch.Tensor
 # Note [Recording fast path]
 # Most ops of a forward are plain: they write no argument, draw no random numbers and
 # return one tensor (fresh, or a view). When the policy stack is constant
-# PREFER_RECOMPUTE ("recompute_all" alone or nested) and the op has no keyword arguments,
+# PREFER_RECOMPUTE ("recompute_all" alone or nested) or has a callable policy (which
+# ``decide`` then asks), and the op has no keyword arguments,
 # ``Recorder.__torch_dispatch__`` records such an op inline, with the same result as the
 # general path (``_record_op``, ``record_node``, ``decide``). Beyond saving calls, it saves
 # objects: every object the recorder keeps counts towards the garbage collector's next
@@ -76,6 +77,7 @@ KEEP = {
     CheckpointPolicy.MUST_CPU_OFFLOAD: True,
     CheckpointPolicy.PREFER_CPU_OFFLOAD: True,
 }
+_KEEP_IDS = frozenset(id(d) for d in KEEP)  # for every op: Enum.__hash__ is Python code
 
 
 def _seed_gradient() -> bool:
@@ -113,9 +115,10 @@ class Recorder(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         region = self.region
+        constant = region._constant
         if (
             kwargs
-            or region._constant is not _RECOMPUTE
+            or (constant is not _RECOMPUTE and constant is not None)
             or not region._recording
             or region.debug
             or _dynamo_callback() is not None
@@ -191,10 +194,13 @@ class Recorder(TorchDispatchMode):
                 uniq[0].has_views = True
         ids[id(out)] = h
         node.outputs = (h,)
+        nodes.append(node)
+        if constant is None:  # callable policies decide
+            decide(region, node, out, args, kwargs, None, (out,))
+            return out
         node.decision = _RECOMPUTE
         node.decided_by = "policy"
         node.module_path = region._modules.current_path
-        nodes.append(node)
         return out
 
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
@@ -332,7 +338,7 @@ def decide(
     node.decision = decision
     node.decided_by = by
     node.module_path = region._modules.current_path
-    keep = decision in KEEP
+    keep = id(decision) in _KEEP_IDS
     if not keep and overwritten is None:
         if not node.info.is_random or node.rng is not None:
             return

@@ -842,3 +842,50 @@ def test_save_module_outputs_tags_every_tensor_of_a_structured_output() -> None:
     kept = {region.nodes[i].op for i, _ in _kept(region)}
     assert kept == {aten.sin.default, aten.cos.default, aten.mul.Tensor}
     assert all(region.nodes[i].decided_by == "tag" for i, _ in _kept(region))
+
+
+def _graph_facts(region: Any) -> list[tuple[Any, ...]]:
+    facts = []
+    for n in region.nodes:
+        outs = tuple(
+            None
+            if h is None
+            else (h.reason, tuple(h.shape), h.is_view, h.has_views, h.uses, h.packs)
+            for h in n.outputs
+        )
+        ins = tuple((h.node_index, h.index) for h in n.inputs)
+        facts.append((n.info.name, n.decision, n.decided_by, n.module_path, ins, outs))
+    return facts
+
+
+@pytest.mark.parametrize("name", models.ZOO)
+@pytest.mark.parametrize(
+    "policy",
+    [models.save_matmuls, policies.save_matmuls(), "recompute_all"],
+    ids=["function", "save_matmuls", "recompute_all"],
+)
+def test_recording_fast_path_records_what_the_general_path_does(
+    name: str, policy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """See Note [Recording fast path]: with every op forced through the general path, the
+    recorded graph, decisions, kept values and gradients are the same."""
+    from ckpt_graph import record
+
+    def forward() -> tuple[Any, list[torch.Tensor]]:
+        model, x = models.make_model(name)
+        with ckpt_graph.save_recompute_policy(policy) as region:
+            y = model(x)
+        facts = _graph_facts(region)
+        y.sum().backward()
+        return facts, [p.grad for p in model.parameters()]
+
+    class _NothingIsPlain(dict[int, Any]):
+        def __setitem__(self, key: int, value: Any) -> None:
+            pass
+
+    fast = forward()
+    monkeypatch.setattr(record, "_PLAIN", _NothingIsPlain())  # the general path only
+    general = forward()
+    assert fast[0] == general[0]
+    for a, b in zip(fast[1], general[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -158,15 +158,17 @@ class _OpSet:
         self.packets = frozenset(packets)
         self.given = tuple(given)
         self.names = tuple(str(op) for op in given)
-        self.memo: dict[object, bool] = {}
+        # Keyed by id (``OpOverload.__hash__`` is Python code, and this runs for every op);
+        # the op is stored with its answer so that a reused id cannot match.
+        self.memo: dict[int, tuple[object, bool]] = {}
 
     def __contains__(self, op: object) -> bool:
-        hit = self.memo.get(op)
-        if hit is None:
-            packet = getattr(op, "overloadpacket", None)
-            hit = self.memo[op] = op in self.overloads or (
-                packet is not None and packet in self.packets
-            )
+        entry = self.memo.get(id(op))
+        if entry is not None and entry[0] is op:
+            return entry[1]
+        packet = getattr(op, "overloadpacket", None)
+        hit = op in self.overloads or (packet is not None and packet in self.packets)
+        self.memo[id(op)] = (op, hit)
         return hit
 
 

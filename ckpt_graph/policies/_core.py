@@ -123,6 +123,14 @@ def resolve(
     Returns:
         The decision and the name of the policy that set it (``""`` for the default).
     """
+    if len(stack) == 1:  # the common case, without the conflict bookkeeping
+        policy = stack[0]
+        answer = policy(ctx, out, op, *args, **kwargs)
+        if answer is None:
+            return CheckpointPolicy.PREFER_SAVE, ""
+        if type(answer) is not CheckpointPolicy:
+            answer = to_decision(answer, policy, ctx.op_name)
+        return answer, policy_name(policy)
     decision = CheckpointPolicy.PREFER_SAVE
     by = ""
     for policy in stack:
