@@ -163,10 +163,17 @@ def capture_rng(
     last_gen, last_state = _LAST_RNG
     if last_gen is not None and last_gen() is gen:
         last = last_state()
-        if last is not None and torch.equal(last, state):
+        if last is not None and _same(last, state):
             return gen, last
     _LAST_RNG[:] = [weakref.ref(gen), weakref.ref(state)]
     return gen, state
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Below every dispatch mode: the caller's own modes (an op counter, a profiler) must not
+    # see the engine's bookkeeping as ops of the program.
+    with torch._C._DisableTorchDispatch():
+        return torch.equal(a, b)
 
 
 # The generator and the state tensor of the last capture, weakly held (a region owns them).
