@@ -440,3 +440,35 @@ def test_ctx_module_path() -> None:
     assert ("aten.addmm.default", "inner.1") in paths
     assert paths[-1] == ("aten.sin.default", "")
     y.sum().backward()
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """An outer mode, as a user's op counter or profiler would be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func not in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", "must_save_all"])
+def test_forward_runs_no_op_of_its_own_under_outer_modes(policy: str) -> None:
+    """The engine's bookkeeping (generator states, keeping values) is invisible to modes
+    around the region: the forward runs exactly the program's ops."""
+    q = leaf(1, 2, 8, 4)
+
+    def program() -> torch.Tensor:
+        h = q
+        for _ in range(3):  # random ops that draw nothing: their states are compared
+            h = torch.nn.functional.scaled_dot_product_attention(h, h, h).sin()
+        return h.sum()
+
+    with _OpLog() as plain:
+        program()
+    with _OpLog() as logged, cg.save_recompute_policy(policy):
+        program()
+    assert logged.ops == plain.ops
