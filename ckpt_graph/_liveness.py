@@ -86,7 +86,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ._liveness_costs import Workspace, from_region, kept_ops_of, measure_workspaces
+from ._liveness_costs import from_region, kept_ops_of
+from ._liveness_workspaces import Workspace, measure_workspaces
 
 __all__ = [
     "SimGraph",

@@ -12,7 +12,7 @@ import torch
 from models import make_model, save_matmuls
 
 import ckpt_graph as cg
-from ckpt_graph import _liveness_costs
+from ckpt_graph import _liveness_workspaces
 from ckpt_graph._liveness import (
     SimGraph,
     SimOp,
@@ -305,7 +305,7 @@ def test_measured_workspaces_of_convolution_and_batch_norm(
     def fail(*args: Any) -> None:
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(_liveness_costs, "_measure_one", fail)
+    monkeypatch.setattr(_liveness_workspaces, "_measure_one", fail)
     assert measure_workspaces(region) == ws  # memoised per op signature
 
 
