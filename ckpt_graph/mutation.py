@@ -14,7 +14,11 @@
 #   3. A tensor whose version changed through another alias (``x[0:2].mul_(3)`` changes
 #      ``x``) no longer matches its handle; its next use takes it as a kept snapshot
 #      (reason ``MUTATED_ALIAS``). Correct, and rare in models; deriving the new value by
-#      replaying view ops on the new base would avoid keeping it.
+#      replaying view ops on the new base would avoid keeping it. The same holds for a
+#      write through an alias with a version counter of its own (``x.data.mul_(3)``, seen
+#      as a ``detach`` view): the version stays, but the handle is superseded. A saved
+#      tensor of the old value then cannot be served as eager would (eager reads the new
+#      values, unchecked), and unpacking it raises an error naming ``.data``.
 #   4. Kept values are shared with the forward tensors. Before an op writes a storage,
 #      every kept value in that storage that some op node or saved tensor already used is
 #      replaced by an exact copy (same storage offset and strides), because the write would

@@ -139,6 +139,17 @@ def _version_error(h: Handle, region: Region, current: int) -> CkptGraphError:
     )
 
 
+def _untracked_write_error(h: Handle, region: Region) -> CkptGraphError:
+    return CkptGraphError(
+        f"ckpt_graph: output {h.index} of {region.nodes[h.node_index].info.name} (op "
+        f"#{h.node_index}) [{h.dtype} {list(h.shape)}] was written in place through an alias "
+        "with a version counter of its own (such as `.data`) after autograd saved it: eager "
+        "autograd would silently use the new values, the region can only give the old ones. "
+        "Write to the tensor itself rather than its `.data` (eager then reports the "
+        "conflict), or do the write outside the region."
+    )
+
+
 def _check_version(region: Region, h: Handle) -> None:
     """Raise autograd's version-counter error if the forward tensor of ``h`` changed."""
     t = h.value if h.value is not None and h.offload_device is None else None
@@ -165,6 +176,8 @@ def unpack_value(region: Region, h: Handle) -> torch.Tensor:
     """The value of a saved tensor, for autograd's unpack."""
     if h.superseded:
         t = h.ref() if h.ref is not None else None
+        if t is not None and version_of(t) == h.version:  # see Note [Mutation and views]
+            raise _untracked_write_error(h, region)
         raise _version_error(h, region, t._version if t is not None else h.version + 1)
     if h.reason is not None:
         return _kept_value(region, h)

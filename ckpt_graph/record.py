@@ -145,7 +145,7 @@ class Recorder(TorchDispatchMode):
                         version = a._version
                     except RuntimeError:
                         version = 0
-                    if h.version != version:
+                    if h.version != version or h.superseded:
                         h = region.handle_of(a)
                 h_args[i] = h
                 inputs.append(h)

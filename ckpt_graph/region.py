@@ -200,8 +200,10 @@ class Region:
                 version = t._version
             except RuntimeError:
                 version = 0
-            if old.version == version:
+            if old.version == version and not old.superseded:
                 return old
+            # Changed through another alias: a view sharing its version counter, or one
+            # with a counter of its own (`.data`), which leaves the version as it was.
             reason = graph.MUTATED_ALIAS
         else:
             reason = graph.INPUT
