@@ -29,12 +29,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import ckpt_graph as cg
-from ckpt_graph import realize
-from ckpt_graph._liveness import from_region, kept_ops_of, simulate
+from ckpt_graph.compare.zoo import GPT
+from ckpt_graph.engine import realize
 from ckpt_graph.memory import measure
-from ckpt_graph.policies import _budget as budget_mod
-from ckpt_graph.policies._budget import memory_budget
-from ckpt_graph.zoo import GPT
+from ckpt_graph.planner import memory_budget as budget_mod
+from ckpt_graph.planner.liveness import from_region, kept_ops_of, simulate
+from ckpt_graph.planner.memory_budget import memory_budget
 
 LAYERS, WIDTH, HEADS, SEQ, BATCH, VOCAB = 12, 64, 4, 64, 8, 256
 BUDGETS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -87,7 +87,7 @@ def tuc_peak(model: GPT, x: torch.Tensor, k: int) -> int:
 class CacheProbe:
     """Measures the activation memory the engine holds during backward, per storage.
 
-    Wraps ``ckpt_graph.realize.run_node`` (benchmark only): around every recomputed op it
+    Wraps ``ckpt_graph.engine.realize.run_node`` (benchmark only): around every recomputed op it
     takes the distinct storages of the region's kept values and of its cached recomputed
     values, before the op (its inputs) and after it (its outputs), and keeps the largest
     sum of their sizes. Values autograd holds after their last use are not seen.

@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         "zero_+accumulate 4 passes (zero: 1 write; `+=`: 2 reads, 1 write); zero-copy 1 pass "
         "(the zero_, needed only for parameters that might get no gradient); "
         "set_to_none+copy-in 2 passes (1 read, 1 write); set_to_none+zero-copy 0. "
-        "See Note [Gradient adoption] in ckpt_graph/grads.py.",
+        "See Note [Gradient adoption] in ckpt_graph/grads/flat.py.",
         "",
     ]
     text = "\n".join(header) + "\n" + "\n\n".join(sections) + "\n"

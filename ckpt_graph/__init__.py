@@ -6,12 +6,12 @@ rest on demand in backward, with gradients identical to a run without checkpoint
 
 from torch.utils.checkpoint import CheckpointPolicy
 
-from . import memory, policies
-from ._errors import CkptGraphError
-from .api import checkpoint, save_recompute_policy, tag_with_policy
-from .memory import MemoryReport, measure
-from .region import Region
-from .wrap import unwrap, wrap
+from ckpt_graph import memory, policies
+from ckpt_graph._errors import CkptGraphError
+from ckpt_graph.engine.api import checkpoint, save_recompute_policy, tag_with_policy
+from ckpt_graph.engine.region import Region
+from ckpt_graph.integrations.wrap import unwrap, wrap
+from ckpt_graph.memory import MemoryReport, measure
 
 __all__ = [
     "CheckpointPolicy",

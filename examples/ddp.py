@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ckpt_graph.integrations.wrap import unwrap, wrap
 from ckpt_graph.memory import measure
-from ckpt_graph.wrap import unwrap, wrap
 
 
 class Block(nn.Module):

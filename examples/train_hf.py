@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from ckpt_graph.integrations.wrap import unwrap, wrap
 from ckpt_graph.memory import measure
-from ckpt_graph.wrap import unwrap, wrap
 
 VOCAB, SEQ, PERIOD = 64, 64, 8
 

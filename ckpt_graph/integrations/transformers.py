@@ -13,7 +13,7 @@
 # transformers' ``enable_input_require_grads`` hook. ``transformers`` is imported lazily.
 # Under torch.compile the call goes through a dynamo-disabled function (one graph break per
 # layer, the layer runs eagerly in its region, with a warning), as for ``ckpt_graph.wrap``:
-# see Note [Wrapped modules under torch.compile] in ckpt_graph/wrap.py.
+# see Note [Wrapped modules under torch.compile] in ckpt_graph/integrations/wrap.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..api import checkpoint
+from ckpt_graph.engine.api import checkpoint
 
 __all__ = ["HFCheckpointFunction", "disable", "enable", "is_enabled"]
 

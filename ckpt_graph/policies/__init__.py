@@ -9,8 +9,8 @@ Example:
 
 from __future__ import annotations
 
-from ckpt_graph.policies._budget import MemoryBudget, PlanReport, memory_budget
-from ckpt_graph.policies._builtins import (
+from ckpt_graph.planner.memory_budget import MemoryBudget, PlanReport, memory_budget
+from ckpt_graph.policies.builtins import (
     Answer,
     Policy,
     PolicyLike,
@@ -19,8 +19,8 @@ from ckpt_graph.policies._builtins import (
     save_matmuls,
     save_ops,
 )
-from ckpt_graph.policies._compose import any_save, first_answer, from_torch_sac
-from ckpt_graph.policies._modules import ModuleMatch, save_module_outputs
+from ckpt_graph.policies.compose import any_save, first_answer, from_torch_sac
+from ckpt_graph.policies.modules import ModuleMatch, save_module_outputs
 
 __all__ = [
     "Answer",

@@ -87,7 +87,7 @@ def _check_regions(policy: CountRegions, steps: int) -> None:
 def _ddp(rank: int, world: int, order: str) -> dict[str, torch.Tensor]:
     from torch.nn.parallel import DistributedDataParallel
 
-    from ckpt_graph.wrap import wrap
+    from ckpt_graph.integrations.wrap import wrap
 
     policy = CountRegions()
     model = wrap(make_model(), policy=policy)
@@ -102,7 +102,7 @@ def _ddp(rank: int, world: int, order: str) -> dict[str, torch.Tensor]:
 def _fsdp(rank: int, world: int, order: str) -> dict[str, torch.Tensor]:
     from torch.distributed.fsdp import fully_shard
 
-    from ckpt_graph.wrap import is_wrapped, wrap
+    from ckpt_graph.integrations.wrap import is_wrapped, wrap
 
     model = make_model()
     policy = CountRegions()

@@ -2,7 +2,7 @@
 
 A region records aten ops with a TorchDispatchMode, which dynamo cannot trace: it skips every
 frame while such a mode is active (torch/_dynamo/convert_frame.py). See Note [Wrapped modules
-under torch.compile] in ckpt_graph/wrap.py and core_bugs.md bug 10.
+under torch.compile] in ckpt_graph/integrations/wrap.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import ckpt_graph as cg
-from ckpt_graph.wrap import is_wrapped, wrap
+from ckpt_graph.integrations.wrap import is_wrapped, wrap
 
 BACKENDS = ["eager", "aot_eager"]
 

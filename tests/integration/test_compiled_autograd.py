@@ -4,7 +4,8 @@ Compiled autograd captures the backward as an FX graph in which each saved-tenso
 is a ``call_hook`` node placed just before its first user, then hands that graph to a compiler.
 - A Python compiler (``lambda gm: gm``) runs the graph as is: our unpack hooks run in order, so
   recompute stays progressive. This works today.
-- A torch.compile backend makes dynamo trace the graph *and our hooks*; see core_bugs.md bug 9.
+- A torch.compile backend makes dynamo trace the graph *and our hooks*; see Note [Compiled
+  autograd] in ckpt_graph/engine/hooks.py.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import torch
 from torch._dynamo import compiled_autograd
 from torch._dynamo.utils import counters
 
+from ckpt_graph.integrations.wrap import wrap
 from ckpt_graph.memory import measure
-from ckpt_graph.wrap import wrap
 
 
 class Block(torch.nn.Module):

@@ -1,0 +1,9 @@
+"""The main job: ``python -m ckpt_graph compare``, strategies side by side on embedded models.
+
+``cli`` parses arguments, ``runner`` measures each strategy, ``strategies`` defines them,
+``output`` prints tables, JSON and plots, ``zoo`` builds the embedded models.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []

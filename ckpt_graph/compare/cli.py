@@ -1,0 +1,253 @@
+"""The ``ckpt-graph`` command: ``ckpt-graph compare`` (also ``python -m ckpt_graph compare``).
+
+Runs one training step of an embedded model under every checkpointing strategy and prints peak
+memory, step time, recompute work and the gradient difference against no checkpointing.
+
+Example:
+    $ python -m ckpt_graph compare
+    $ python -m ckpt_graph compare --model cnn --strategies none,torch-ckpt,cg-block --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn, TextIO
+
+import torch
+
+from ckpt_graph.compare.output import format_table, have_matplotlib, plot, write_json
+from ckpt_graph.compare.runner import DEFAULT_STRATEGIES, STRATEGIES, run_comparison
+from ckpt_graph.compare.zoo import DEFAULTS, MODELS, WorkloadError, estimate_bytes
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported as one line on stderr with exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # Note [One-line usage errors]
+    # argparse prints the whole usage block before its error; the command promises one line and
+    # exit code 2 for any bad input, so parse errors are raised and reported like the others.
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``ckpt-graph`` (subcommand ``compare``)."""
+    parser = _Parser(prog="ckpt-graph", description="Activation checkpointing, compared.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    cmp = sub.add_parser(
+        "compare",
+        help="compare checkpointing strategies on one training step",
+        description="One training step (forward + backward) of an embedded model under each "
+        "checkpointing strategy: peak memory, step time, recompute work and max |grad "
+        "difference| against no checkpointing. Strategies: "
+        + "; ".join(f"{k}: {v}" for k, v in STRATEGIES.items()),
+    )
+    cmp.add_argument("--model", default="gpt", help=f"one of {', '.join(MODELS)} (default gpt)")
+    for name, what in (
+        ("layers", "number of blocks"),
+        ("width", "hidden size (cnn: channels)"),
+        ("batch", "batch size"),
+        ("seq-len", "sequence length (cnn: image side; mlp: ignored)"),
+    ):
+        cmp.add_argument(f"--{name}", type=int, default=None, help=f"{what} (default per model)")
+    cmp.add_argument(
+        "--dropout", type=float, default=0.0, help="dropout probability (gpt, hf-*; default 0)"
+    )
+    cmp.add_argument("--dtype", default="float32", help=f"one of {', '.join(_DTYPES)}")
+    cmp.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    cmp.add_argument("--repeat", type=int, default=3, help="timed steps per strategy (median)")
+    cmp.add_argument(
+        "--strategies",
+        default=",".join(DEFAULT_STRATEGIES),
+        help="comma-separated list (default: all); none is always run as the reference",
+    )
+    cmp.add_argument("--seed", type=int, default=0, help="seed for weights and batch")
+    # Note [One thread by default]
+    # Step times are compared as ratios measured side by side, so they must be steady rather
+    # than short. With several OpenMP threads on a machine that is also busy with other work,
+    # threads wait for each other and a step takes 3-10x longer with a large spread (measured
+    # here: the default run took 9 min with 2 threads at load 8, 53 s with one). One thread
+    # also makes the process CPU-time ratio an exact figure. `--threads 0` keeps torch's default.
+    cmp.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1, steady timings; 0: torch's default)",
+    )
+    cmp.add_argument("--json", metavar="PATH", help="write all figures and machine info as JSON")
+    cmp.add_argument("--plot", metavar="PATH.png", help="plot peak memory vs step time")
+    cmp.add_argument("--no-count", action="store_true", help="skip counting recomputed ops")
+    cmp.add_argument("--quiet", action="store_true", help="no progress output")
+    return parser
+
+
+def _check_args(args: argparse.Namespace) -> dict[str, object]:
+    """Validate everything that can be checked before building a model."""
+    if args.model not in MODELS:
+        raise UsageError(f"unknown model {args.model!r}; choose from {', '.join(MODELS)}")
+    if args.dtype not in _DTYPES:
+        raise UsageError(f"unknown dtype {args.dtype!r}; choose from {', '.join(_DTYPES)}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UsageError(f"unknown device {args.device!r}; use cpu or cuda[:N]") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {args.device}: only {torch.cuda.device_count()} GPU(s)")
+    elif device.type != "cpu":
+        raise UsageError(f"unsupported device {args.device!r}; use cpu or cuda[:N]")
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        raise UsageError(
+            f"unknown strategy {(unknown or [''])[0]!r}; choose from {', '.join(STRATEGIES)}"
+        )
+    if args.repeat < 1:
+        raise UsageError(f"--repeat must be at least 1, got {args.repeat}")
+    if not 0.0 <= args.dropout < 1.0:
+        raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.threads < 0:
+        raise UsageError(f"--threads must be 0 (torch's default) or more, got {args.threads}")
+    d = DEFAULTS[args.model]
+    sizes = {
+        "layers": d.layers if args.layers is None else args.layers,
+        "width": d.width if args.width is None else args.width,
+        "batch": d.batch if args.batch is None else args.batch,
+        "seq_len": d.seq_len if args.seq_len is None else args.seq_len,
+    }
+    for key, value in sizes.items():
+        if value < 1:
+            raise UsageError(f"--{key.replace('_', '-')} must be a positive integer, got {value}")
+    itemsize = torch.empty((), dtype=_DTYPES[args.dtype]).element_size()
+    need = estimate_bytes(args.model, **sizes) * itemsize // 4
+    have = _available_bytes(device)
+    if have is not None and need > have:
+        raise UsageError(
+            f"this size needs about {need / 2**30:.1f} GiB but {device.type} has "
+            f"{have / 2**30:.1f} GiB available; lower --layers/--width/--batch/--seq-len"
+        )
+    if args.plot and not have_matplotlib():
+        raise UsageError("--plot needs matplotlib (pip install matplotlib)")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        parent = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not os.path.isdir(parent):
+            raise UsageError(f"{option} {path}: directory {parent} does not exist")
+    return {
+        "model": args.model,
+        **sizes,
+        "dtype": _DTYPES[args.dtype],
+        "device": str(device),
+        "dropout": args.dropout,
+        "strategies": strategies,
+        "repeat": args.repeat,
+        "seed": args.seed,
+        "count_ops": not args.no_count,
+        "threads": args.threads or None,
+    }
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _fail(message: str) -> int:
+    print(f"ckpt-graph: error: {message}", file=sys.stderr)
+    return 2
+
+
+class Progress:
+    """Progress on a stream: a bar redrawn in place on a terminal, one line per step otherwise."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        if self.tty:
+            filled = 24 * done // max(total, 1)
+            bar = "#" * filled + "-" * (24 - filled)
+            self.stream.write(f"\r[{bar}] {done}/{total} {label:<40.40}")
+        else:
+            self.stream.write(f"[{done:>3}/{total}] {label}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\r" + " " * 80 + "\r")
+            self.stream.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``ckpt-graph``; returns the exit code.
+
+    Exit codes: 0 success; 1 a strategy failed or an exact strategy's gradients differ from
+    ``none``; 2 bad input (one line on stderr, no traceback).
+
+    Example:
+        >>> main(["compare", "--model", "mlp", "--layers", "2", "--width", "16",
+        ...       "--strategies", "none,torch-ckpt", "--quiet"])  # doctest: +SKIP
+        0
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            raise UsageError("missing command; try: ckpt-graph compare --help")
+        config = _check_args(args)
+    except UsageError as e:
+        return _fail(str(e))
+    progress = None if args.quiet else Progress(sys.stderr)
+    try:
+        results = run_comparison(
+            progress=progress,
+            **config,  # type: ignore[arg-type]
+        )
+    except (WorkloadError, ValueError) as e:
+        return _fail(str(e))
+    finally:
+        if progress is not None:
+            progress.close()
+    use_rich = sys.stdout.isatty() and importlib.util.find_spec("rich") is not None
+    print(format_table(results, config, rich=use_rich))
+    if args.json:
+        write_json(args.json, results, config)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        plot(args.plot, results, config)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    bad = [r.strategy for r in results if r.status == "failed" or (r.max_grad_diff or 0) != 0]
+    if bad:
+        print(f"ckpt-graph: {', '.join(bad)} failed or changed the gradients", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

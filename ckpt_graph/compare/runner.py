@@ -1,0 +1,348 @@
+"""Strategies and runs behind ``ckpt-graph compare``; :func:`run_comparison` is the entry point.
+
+Example:
+    >>> from ckpt_graph.compare.runner import run_comparison
+    >>> results = run_comparison("mlp", layers=2, width=16, batch=4, repeat=1,
+    ...                          strategies=["none", "torch-ckpt"])
+    >>> [r.strategy for r in results]
+    ['none', 'torch-ckpt']
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from ckpt_graph.compare.strategies import (
+    DEFAULT_STRATEGIES,
+    STRATEGIES,
+    StrategySkipped,
+    _Forward,
+    _policy_note,
+    make_forward,
+)
+from ckpt_graph.compare.zoo import Workload, WorkloadError, build_workload
+
+aten = torch.ops.aten
+
+__all__ = [
+    "DEFAULT_STRATEGIES",
+    "STRATEGIES",
+    "StrategyResult",
+    "StrategySkipped",
+    "make_forward",
+    "run_comparison",
+]
+
+
+@dataclass(frozen=True)
+class StrategyResult:
+    """Figures of one strategy on one workload; ratios are relative to ``none`` in the same run.
+
+    Attributes:
+        strategy: strategy name (a key of :data:`STRATEGIES`).
+        status: ``"ok"``, ``"skipped"`` (not available here) or ``"failed"`` (raised).
+        note: why it was skipped or failed, or a remark; ``""`` otherwise.
+        peak_bytes: peak memory of one training step as measured by ``ckpt_graph.memory``.
+        peak_ratio: ``peak_bytes`` / that of ``none``.
+        step_time_s: median step time over the timed repeats (forward + backward).
+        step_times_s: every timed step.
+        time_ratio: ``step_time_s`` / that of ``none``.
+        cpu_time_ratio: median process CPU time of a step / that of ``none``: steadier than
+            wall time on a loaded machine (with one thread; with more it counts every thread).
+        extra_ops: aten ops run in one step beyond those of ``none`` (the recomputed ops).
+        extra_flops: FLOPs beyond those of ``none`` (the recompute FLOPs; matmuls, convolutions
+            and attention only).
+        max_grad_diff: max |grad - grad of none| over all parameters (0.0 means bitwise equal).
+        max_buffer_diff: the same for buffers after the step (e.g. BatchNorm running stats).
+    """
+
+    strategy: str
+    status: str
+    note: str = ""
+    peak_bytes: int | None = None
+    peak_ratio: float | None = None
+    step_time_s: float | None = None
+    step_times_s: tuple[float, ...] = ()
+    time_ratio: float | None = None
+    cpu_time_ratio: float | None = None
+    extra_ops: int | None = None
+    extra_flops: int | None = None
+    max_grad_diff: float | None = None
+    max_buffer_diff: float | None = None
+
+    def __str__(self) -> str:
+        if self.status != "ok":
+            return f"{self.strategy}: {self.status} ({self.note})"
+        mib = "-" if self.peak_bytes is None else f"{self.peak_bytes / 2**20:.1f} MiB"
+        ms = "-" if self.step_time_s is None else f"{self.step_time_s * 1e3:.1f} ms"
+        return f"{self.strategy}: peak {mib}, step {ms}, max |grad diff| {self.max_grad_diff}"
+
+
+def _step(w: Workload, forward: _Forward) -> None:
+    for p in w.model.parameters():
+        p.grad = None
+    w.loss(forward()).backward()
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts aten ops and their FLOPs (where torch's flop counter knows a formula)."""
+
+    _FREE = frozenset({aten.detach.default, aten.alias.default, aten.lift_fresh.default})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.flops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func not in self._FREE:
+            self.ops += 1
+        if func is aten._scaled_dot_product_flash_attention_for_cpu.default:
+            self.flops += sdpa_flop_count(*(a.shape for a in args[:3]))
+        elif func is aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+            self.flops += sdpa_backward_flop_count(*(a.shape for a in args[:4]))
+        else:
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                self.flops += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+def _max_diff(a: Sequence[torch.Tensor | None], b: Sequence[torch.Tensor | None]) -> float:
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                return math.inf
+            continue
+        if x.is_floating_point():
+            d = (x.double() - y.double()).abs().max().item() if x.numel() else 0.0
+        else:
+            d = float((x != y).any().item())
+        worst = max(worst, d)
+    return worst
+
+
+def run_comparison(
+    model: str = "gpt",
+    *,
+    layers: int | None = None,
+    width: int | None = None,
+    batch: int | None = None,
+    seq_len: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    dropout: float = 0.0,
+    strategies: Sequence[str] = DEFAULT_STRATEGIES,
+    repeat: int = 3,
+    seed: int = 0,
+    count_ops: bool = True,
+    threads: int | None = None,
+    measure: Callable[..., Any] | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[StrategyResult]:
+    """Run one training step of a workload under each strategy and compare them with ``none``.
+
+    Every strategy runs the same model and weights (state restored before each measured step)
+    with the same seed: one warm-up step, one step under ``measure`` (peak memory, gradients,
+    buffers), optionally one step under an op counter, then ``repeat`` timed steps interleaved
+    round-robin across strategies so that time ratios are measured side by side.
+
+    Args:
+        model, layers, width, batch, seq_len, dtype, device, dropout: the workload (see
+            :func:`ckpt_graph.compare.zoo.build_workload`).
+        strategies: names from :data:`STRATEGIES`; ``none`` is always run first as the reference.
+        repeat: timed steps per strategy (the median is reported).
+        seed: seed for weights, batch and every step.
+        count_ops: also count the aten ops and FLOPs of one step (extra_ops / extra_flops).
+        threads: torch intra-op threads during the run (restored after); None keeps torch's.
+        measure: ``measure(fn, device=device) -> report`` with ``report.peak_bytes``; default
+            ``ckpt_graph.memory.measure`` (peak memory is left out when it is not importable).
+        progress: called as ``progress(done, total, label)`` while running.
+
+    Returns:
+        One :class:`StrategyResult` per strategy, ``none`` first.
+
+    Raises:
+        ValueError: unknown strategy or repeat < 1.
+        ckpt_graph.compare.zoo.WorkloadError: the workload cannot be built.
+    """
+    names = ["none", *(s for s in dict.fromkeys(strategies) if s != "none")]
+    unknown = [s for s in names if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+    if repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {repeat}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {threads}")
+    saved_threads = torch.get_num_threads()
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        return _run(
+            model,
+            dict(
+                layers=layers,
+                width=width,
+                batch=batch,
+                seq_len=seq_len,
+                dtype=dtype,
+                device=device,
+                dropout=dropout,
+                seed=seed,
+            ),
+            names,
+            repeat,
+            seed,
+            count_ops,
+            measure,
+            progress,
+        )
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _run(
+    model: str,
+    build: dict[str, Any],
+    names: list[str],
+    repeat: int,
+    seed: int,
+    count_ops: bool,
+    measure: Callable[..., Any] | None,
+    progress: Callable[[int, int, str], None] | None,
+) -> list[StrategyResult]:
+    device = build["device"]
+    if measure is None:
+        try:
+            from ckpt_graph import memory
+
+            measure = memory.measure
+        except ImportError:
+            measure = None
+    w = build_workload(model, **build)
+    initial = {k: v.clone() for k, v in w.model.state_dict().items()}
+    params = list(w.model.parameters())
+    total = len(names) * (3 if count_ops else 2) + len(names) * repeat
+    done = 0
+
+    def tick(label: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, label)
+
+    forwards: dict[str, _Forward] = {}
+    partial: dict[str, dict[str, Any]] = {}
+    ref: dict[str, Any] = {}
+    for name in names:
+        fig: dict[str, Any] = {"strategy": name, "status": "ok"}
+        partial[name] = fig
+        try:
+            forward = make_forward(name, w)
+            _step(w, forward)  # warm-up
+            tick(f"{name}: warm-up")
+            w.model.load_state_dict(initial)
+            gc.collect()
+            torch.manual_seed(seed)
+            if measure is not None:
+                report = measure(functools.partial(_step, w, forward), device=device)
+                fig["peak_bytes"] = int(report.peak_bytes)
+            else:
+                _step(w, forward)
+                fig["note"] = "ckpt_graph.memory not importable: no peak memory"
+            tick(f"{name}: measured step")
+            grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+            buffers = [b.detach().clone() for b in w.model.buffers()]
+            if name == "none":
+                ref.update(grads=grads, buffers=buffers)
+            fig["max_grad_diff"] = _max_diff(grads, ref["grads"])
+            fig["max_buffer_diff"] = _max_diff(buffers, ref["buffers"])
+            if note := _policy_note(forward):
+                fig["note"] = note
+            if count_ops:
+                w.model.load_state_dict(initial)
+                torch.manual_seed(seed)
+                counter = _OpCounter()
+                with counter:
+                    _step(w, forward)
+                fig["ops"], fig["flops"] = counter.ops, counter.flops
+                tick(f"{name}: counting ops")
+            forwards[name] = forward
+        except StrategySkipped as e:
+            fig.update(status="skipped", note=str(e))
+        except Exception as e:  # a failing strategy is reported, not fatal
+            if name == "none":
+                # The reference itself does not run: a dtype/device the model does not support.
+                raise WorkloadError(
+                    f"{w.name} does not run here even without checkpointing: {type(e).__name__}: "
+                    + (str(e).strip().splitlines() or [""])[0][:200]
+                ) from e
+            first = (str(e).strip().splitlines() or [""])[0]
+            fig.update(status="failed", note=f"{type(e).__name__}: {first}"[:300])
+        if name not in forwards:
+            done += (2 if count_ops else 1) + repeat
+    cuda = torch.device(device).type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    times: dict[str, list[float]] = {n: [] for n in forwards}
+    cpu: dict[str, list[float]] = {n: [] for n in forwards}
+    for r in range(repeat):
+        for name, forward in forwards.items():
+            sync()
+            c0, t0 = time.process_time(), time.perf_counter()
+            _step(w, forward)
+            sync()
+            times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+            tick(f"{name}: timed step {r + 1}/{repeat}")
+    for p in params:
+        p.grad = None
+    for name in forwards:
+        partial[name]["cpu"] = statistics.median(cpu[name])
+    return [_finish(partial[n], times.get(n, []), partial["none"], times["none"]) for n in names]
+
+
+def _finish(
+    fig: dict[str, Any], times: list[float], none: dict[str, Any], none_times: list[float]
+) -> StrategyResult:
+    if fig["status"] != "ok":
+        return StrategyResult(fig["strategy"], fig["status"], fig.get("note", ""))
+    med = statistics.median(times)
+    peak = fig.get("peak_bytes")
+    peak_none = none.get("peak_bytes")
+    extra_ops = extra_flops = None
+    if "ops" in fig:
+        extra_ops = fig["ops"] - none["ops"]
+        extra_flops = fig["flops"] - none["flops"]
+    return StrategyResult(
+        strategy=fig["strategy"],
+        status="ok",
+        note=fig.get("note", ""),
+        peak_bytes=peak,
+        peak_ratio=peak / peak_none if peak is not None and peak_none else None,
+        step_time_s=med,
+        step_times_s=tuple(times),
+        time_ratio=med / statistics.median(none_times),
+        cpu_time_ratio=fig["cpu"] / none["cpu"] if none["cpu"] > 0 else None,
+        extra_ops=extra_ops,
+        extra_flops=extra_flops,
+        max_grad_diff=fig["max_grad_diff"],
+        max_buffer_diff=fig["max_buffer_diff"],
+    )

@@ -1,0 +1,396 @@
+"""Embedded workloads for ``ckpt-graph compare``: small models built with random weights.
+
+Every workload is a :class:`Workload`: a model whose repeated *blocks* are listed so that a
+strategy can checkpoint them one by one (or in groups), a batch of inputs and a loss. Nothing is
+downloaded: the Hugging Face models are built from a config with random weights.
+
+Example:
+    >>> from ckpt_graph.compare.zoo import build_workload
+    >>> w = build_workload("gpt", layers=2, width=32, batch=2, seq_len=8)
+    >>> loss = w.loss(w.model(*w.inputs))
+    >>> loss.backward()
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODELS = ("gpt", "mlp", "cnn", "hf-gpt2", "hf-llama")
+
+
+class WorkloadError(ValueError):
+    """A workload cannot be built from the given sizes (bad size, missing package)."""
+
+
+@dataclass(frozen=True)
+class ModelDefaults:
+    """Default sizes of one model; the CLI's ``--layers`` etc. override them."""
+
+    layers: int
+    width: int
+    batch: int
+    seq_len: int
+
+
+# Note [Default workload size]
+# The default `compare` run (8 strategies; per strategy a warm-up, a step under the memory
+# profiler, a step under the op counter and 3 timed steps) must finish in under 60 s on 2 CPU
+# cores in float32. At these sizes it takes ~20 s of CPU time with one thread (measured: 19 s
+# user for the whole command), which leaves room for a slower or shared machine (52 s wall at a
+# load average of 7 on 2 cores). Activations (batch x seq x width x 8 layers) outweigh the
+# parameters so that checkpointing visibly changes peak memory. See Note [One thread by default].
+DEFAULTS: dict[str, ModelDefaults] = {
+    "gpt": ModelDefaults(layers=8, width=256, batch=4, seq_len=128),
+    "mlp": ModelDefaults(layers=8, width=256, batch=512, seq_len=1),
+    "cnn": ModelDefaults(layers=6, width=32, batch=16, seq_len=64),
+    "hf-gpt2": ModelDefaults(layers=4, width=256, batch=4, seq_len=128),
+    "hf-llama": ModelDefaults(layers=4, width=256, batch=4, seq_len=128),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model, its repeated blocks, one batch and a loss.
+
+    Attributes:
+        name: model name (one of :data:`MODELS`).
+        model: the module; ``model(*inputs)`` returns the output fed to ``loss``.
+        blocks: the repeated blocks, in forward order, each called once per forward.
+        inputs: the batch (on the model's device).
+        loss_fn: maps the model output to a scalar loss.
+        blocks_are_plain: every block maps one tensor to one tensor (``h = block(h)``), so
+            strategies may regroup consecutive blocks.
+        sizes: the sizes the workload was built with.
+    """
+
+    name: str
+    model: nn.Module
+    blocks: Sequence[nn.Module]
+    inputs: tuple[torch.Tensor, ...]
+    loss_fn: Callable[[object], torch.Tensor]
+    blocks_are_plain: bool
+    sizes: dict[str, int] = field(default_factory=dict)
+
+    def loss(self, output: object) -> torch.Tensor:
+        """Scalar loss of one model output."""
+        return self.loss_fn(output)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.dropout = dropout
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return F.dropout(self.proj(y.transpose(1, 2).reshape(b, t, c)), self.dropout, self.training)
+
+
+class DecoderBlock(nn.Module):
+    """Pre-LN transformer block: ``h + attn(ln1(h))`` then ``h + mlp(ln2(h))``."""
+
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads, dropout)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
+        self.dropout = dropout
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.ln1(h))
+        mlp = self.out(F.gelu(self.fc(self.ln2(h))))
+        return h + F.dropout(mlp, self.dropout, self.training)
+
+
+class GPT(nn.Module):
+    """GPT-style decoder: token + position embedding, pre-LN blocks, final LayerNorm, LM head."""
+
+    def __init__(
+        self, vocab: int, width: int, layers: int, heads: int, seq_len: int, dropout: float = 0.0
+    ) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(seq_len, width)
+        self.dropout = dropout
+        self.blocks = nn.ModuleList(DecoderBlock(width, heads, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        h = F.dropout(self.tok(idx) + self.pos(pos), self.dropout, self.training)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln_f(h))  # type: ignore[no-any-return]
+
+
+class ResidualMLP(nn.Module):
+    """Stack of residual ``h + W2 gelu(W1 LayerNorm(h))`` blocks with a classifier head."""
+
+    def __init__(self, width: int, layers: int, classes: int = 10) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            _Residual(
+                nn.Sequential(
+                    nn.LayerNorm(width),
+                    nn.Linear(width, 4 * width),
+                    nn.GELU(),
+                    nn.Linear(4 * width, width),
+                )
+            )
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)  # type: ignore[no-any-return]
+
+
+class _Residual(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x)  # type: ignore[no-any-return]
+
+
+class ConvNet(nn.Module):
+    """ResNet-style CNN: stem conv, residual ``conv-BN-ReLU-conv-BN`` blocks, pooled classifier."""
+
+    def __init__(self, width: int, layers: int, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width))
+        self.blocks = nn.ModuleList(
+            _ResidualReLU(
+                nn.Sequential(
+                    nn.Conv2d(width, width, 3, padding=1, bias=False),
+                    nn.BatchNorm2d(width),
+                    nn.ReLU(),
+                    nn.Conv2d(width, width, 3, padding=1, bias=False),
+                    nn.BatchNorm2d(width),
+                )
+            )
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.stem(x))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.mean(dim=(2, 3)))  # type: ignore[no-any-return]
+
+
+class _ResidualReLU(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.body(x))
+
+
+def _check_sizes(layers: int, width: int, batch: int, seq_len: int) -> None:
+    for name, value in (("layers", layers), ("width", width), ("batch", batch)):
+        if value < 1:
+            raise WorkloadError(f"--{name} must be a positive integer, got {value}")
+    if seq_len < 1:
+        raise WorkloadError(f"--seq-len must be a positive integer, got {seq_len}")
+
+
+def _heads(width: int) -> int:
+    """Number of attention heads: head size 64 where possible, at least one head."""
+    heads = max(1, width // 64)
+    while width % heads:
+        heads -= 1
+    return heads
+
+
+def estimate_bytes(name: str, layers: int, width: int, batch: int, seq_len: int) -> int:
+    """Rough upper estimate of one training step's memory without checkpointing, in bytes (fp32).
+
+    Used to reject sizes that cannot fit before building anything.
+    """
+    if name == "mlp":
+        params = layers * 8 * width * width
+        acts = layers * batch * width * 12
+    elif name == "cnn":
+        params = layers * 18 * width * width
+        acts = layers * batch * width * seq_len * seq_len * 10
+    else:
+        vocab = 1024 if name == "gpt" else 2048
+        params = layers * 12 * width * width + 2 * vocab * width
+        acts = layers * batch * seq_len * width * 24 + 3 * batch * seq_len * vocab
+    return 4 * (3 * params + acts)
+
+
+def build_workload(
+    name: str,
+    *,
+    layers: int | None = None,
+    width: int | None = None,
+    batch: int | None = None,
+    seq_len: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> Workload:
+    """Build one embedded workload with random weights and a random batch.
+
+    Args:
+        name: one of :data:`MODELS`.
+        layers, width, batch, seq_len: sizes; ``None`` takes :data:`DEFAULTS`. For ``cnn``,
+            ``seq_len`` is the image side; for ``mlp`` it is ignored.
+        dtype, device: where the model and batch live.
+        dropout: dropout probability (GPT-style models only).
+        seed: seed for weights and batch.
+
+    Raises:
+        WorkloadError: unknown model, nonsensical size, or ``transformers`` missing for ``hf-*``.
+
+    Example:
+        >>> w = build_workload("mlp", layers=2, width=16, batch=4)
+        >>> len(w.blocks)
+        2
+    """
+    if name not in DEFAULTS:
+        raise WorkloadError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    d = DEFAULTS[name]
+    layers = d.layers if layers is None else layers
+    width = d.width if width is None else width
+    batch = d.batch if batch is None else batch
+    seq_len = d.seq_len if seq_len is None else seq_len
+    _check_sizes(layers, width, batch, seq_len)
+    if not 0.0 <= dropout < 1.0:
+        raise WorkloadError(f"--dropout must be in [0, 1), got {dropout}")
+    sizes = {"layers": layers, "width": width, "batch": batch, "seq_len": seq_len}
+    gen = torch.Generator().manual_seed(seed + 1)
+    torch.manual_seed(seed)
+    if name == "gpt":
+        vocab = 1024
+        model: nn.Module = GPT(vocab, width, layers, _heads(width), seq_len, dropout)
+        idx = torch.randint(0, vocab, (batch, seq_len), generator=gen)
+        tgt = torch.randint(0, vocab, (batch, seq_len), generator=gen)
+        model = model.to(device=device, dtype=dtype)
+        inputs: tuple[torch.Tensor, ...] = (idx.to(device),)
+        target = tgt.to(device)
+        blocks: Sequence[nn.Module] = list(model.blocks)  # type: ignore[arg-type]
+
+        def gpt_loss(out: object) -> torch.Tensor:
+            assert isinstance(out, torch.Tensor)
+            return F.cross_entropy(out.flatten(0, 1).float(), target.flatten())
+
+        return Workload(name, model, blocks, inputs, gpt_loss, True, sizes)
+    if name in ("mlp", "cnn"):
+        if name == "mlp":
+            model = ResidualMLP(width, layers)
+            x = torch.randn(batch, width, generator=gen)
+        else:
+            model = ConvNet(width, layers)
+            x = torch.randn(batch, 3, seq_len, seq_len, generator=gen)
+        model = model.to(device=device, dtype=dtype)
+        y = torch.randint(0, 10, (batch,), generator=gen).to(device)
+        return Workload(
+            name,
+            model,
+            list(model.blocks),  # type: ignore[arg-type]
+            (x.to(device=device, dtype=dtype),),
+            _ce_loss(y),
+            True,
+            sizes,  # type: ignore[arg-type]
+        )
+    return _build_hf(name, sizes, dtype, device, dropout, gen)
+
+
+def _ce_loss(target: torch.Tensor) -> Callable[[object], torch.Tensor]:
+    def loss(out: object) -> torch.Tensor:
+        assert isinstance(out, torch.Tensor)
+        return F.cross_entropy(out.float(), target)
+
+    return loss
+
+
+def _build_hf(
+    name: str,
+    sizes: dict[str, int],
+    dtype: torch.dtype,
+    device: str | torch.device,
+    dropout: float,
+    gen: torch.Generator,
+) -> Workload:
+    try:
+        import transformers as _transformers
+    except ImportError:
+        raise WorkloadError(
+            f"--model {name} needs the 'transformers' package (pip install transformers); "
+            "the embedded models gpt, mlp and cnn need nothing"
+        ) from None
+    layers, width, batch, seq_len = (sizes[k] for k in ("layers", "width", "batch", "seq_len"))
+    transformers: Any = _transformers  # its stubs vary by version; only public names are used
+    heads = _heads(width)
+    vocab = 2048
+    cfg: Any
+    model: nn.Module
+    if name == "hf-gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=vocab,
+            n_positions=max(seq_len, 8),
+            n_embd=width,
+            n_layer=layers,
+            n_head=heads,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        cfg._attn_implementation = "sdpa"
+        model = transformers.GPT2LMHeadModel(cfg)
+        blocks = list(cast(Any, model).transformer.h)
+    else:
+        cfg = transformers.LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=width,
+            intermediate_size=int(math.ceil(width * 8 / 3 / 32) * 32),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            max_position_embeddings=max(seq_len, 8),
+            attention_dropout=dropout,
+            use_cache=False,
+        )
+        cfg._attn_implementation = "sdpa"
+        model = transformers.LlamaForCausalLM(cfg)
+        blocks = list(cast(Any, model).model.layers)
+    model = model.to(device=device, dtype=dtype)
+    idx = torch.randint(0, vocab, (batch, seq_len), generator=gen).to(device)
+
+    def hf_loss(out: object) -> torch.Tensor:
+        logits = out.logits  # type: ignore[attr-defined]
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), idx[:, 1:].flatten())
+
+    # HF decoder layers take keyword arguments and may return tuples: not plain blocks.
+    return Workload(name, model, blocks, (idx,), hf_loss, False, sizes)

@@ -1,0 +1,263 @@
+"""Decisions and the policy stack: how nested policies answer for one op.
+
+# Note [Policy stack resolution]
+# A region's policies form a stack, one entry per open ``save_recompute_policy`` block,
+# asked outermost to innermost, once per recorded op during the forward (never during
+# backward or recompute). The decision starts at PREFER_SAVE, plain autograd behaviour.
+#   1. ``None`` abstains: the decision is unchanged.
+#   2. ``True`` means MUST_SAVE and ``False`` PREFER_RECOMPUTE (torch's convention).
+#   3. A PREFER_* answer replaces the current decision unless that is a MUST_*.
+#   4. A MUST_* answer replaces any PREFER_*; a different MUST_* already in place is a
+#      conflict, reported with the op and both policies (no silent winner).
+# Anything else a policy returns is a TypeError naming the policy and the op. Tags
+# (``tag_with_policy``) are applied after the stack and override it for one value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ckpt_graph._errors import CkptGraphError
+
+if TYPE_CHECKING:
+    from ckpt_graph.engine.graph import OpInfo
+    from ckpt_graph.engine.region import Region
+
+__all__ = [
+    "POLICY_NAMES",
+    "PolicyContext",
+    "PolicyFn",
+    "normalize_policy",
+    "resolve",
+    "to_decision",
+]
+
+PolicyFn = Callable[..., Any]
+
+_MUST = (
+    CheckpointPolicy.MUST_SAVE,
+    CheckpointPolicy.MUST_RECOMPUTE,
+    CheckpointPolicy.MUST_CPU_OFFLOAD,
+)
+
+
+class _ConstantPolicy:
+    """A policy that gives the same answer for every op (the string-named policies)."""
+
+    __slots__ = ("answer", "name")
+
+    def __init__(self, name: str, answer: CheckpointPolicy) -> None:
+        self.name = name
+        self.answer = answer
+
+    def __call__(self, ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return self.answer
+
+    def __repr__(self) -> str:
+        return repr(self.name)
+
+
+POLICY_NAMES: dict[str, _ConstantPolicy] = {
+    "recompute_all": _ConstantPolicy("recompute_all", CheckpointPolicy.PREFER_RECOMPUTE),
+    "must_save_all": _ConstantPolicy("must_save_all", CheckpointPolicy.MUST_SAVE),
+}
+
+
+def normalize_policy(policy: Any) -> PolicyFn:
+    """Turn a policy argument (string name or callable) into a callable.
+
+    Raises:
+        ValueError: for an unknown policy name.
+        TypeError: for anything that is neither a string nor callable.
+    """
+    if isinstance(policy, str):
+        try:
+            return POLICY_NAMES[policy]
+        except KeyError:
+            names = ", ".join(repr(n) for n in POLICY_NAMES)
+            raise ValueError(
+                f"ckpt_graph: unknown policy {policy!r}; valid names are {names}, or pass a "
+                "callable policy(ctx, out, op, *args, **kwargs) -> CheckpointPolicy | bool | None"
+            ) from None
+    if callable(policy):
+        return policy  # type: ignore[no-any-return]
+    raise TypeError(
+        f"ckpt_graph: a policy must be a name or a callable "
+        f"policy(ctx, out, op, *args, **kwargs), got {type(policy).__name__}"
+    )
+
+
+def policy_name(policy: PolicyFn) -> str:
+    """A readable name of a policy for error messages and introspection."""
+    if isinstance(policy, _ConstantPolicy):
+        return policy.name
+    name = getattr(policy, "__qualname__", None)
+    return name if isinstance(name, str) else repr(policy)
+
+
+def to_decision(answer: Any, policy: PolicyFn, op_name: str) -> CheckpointPolicy | None:
+    """Convert one policy answer to a ``CheckpointPolicy`` (``None`` abstains)."""
+    if answer is None or type(answer) is CheckpointPolicy:
+        return answer
+    if answer is True:
+        return CheckpointPolicy.MUST_SAVE
+    if answer is False:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if isinstance(answer, CheckpointPolicy):
+        return answer
+    raise TypeError(
+        f"ckpt_graph: policy {policy_name(policy)} returned {answer!r} for op {op_name}; a policy "
+        "must return a torch.utils.checkpoint.CheckpointPolicy, a bool, or None to abstain"
+    )
+
+
+def resolve(
+    stack: list[PolicyFn], ctx: PolicyContext, out: Any, op: Any, args: Any, kwargs: Any
+) -> tuple[CheckpointPolicy, str]:
+    """Ask every policy of the stack about one op. See Note [Policy stack resolution].
+
+    Returns:
+        The decision and the name of the policy that set it (``""`` for the default).
+    """
+    if len(stack) == 1:  # the common case, without the conflict bookkeeping
+        policy = stack[0]
+        answer = policy(ctx, out, op, *args, **kwargs)
+        if answer is None:
+            return CheckpointPolicy.PREFER_SAVE, ""
+        if type(answer) is not CheckpointPolicy:
+            answer = to_decision(answer, policy, ctx.op_name)
+        return answer, policy_name(policy)
+    decision = CheckpointPolicy.PREFER_SAVE
+    by = ""
+    for policy in stack:
+        answer = to_decision(policy(ctx, out, op, *args, **kwargs), policy, ctx.op_name)
+        if answer is None:
+            continue
+        if answer in _MUST:
+            if decision in _MUST and decision is not answer:
+                raise CkptGraphError(
+                    f"ckpt_graph: conflicting policies for op {ctx.op_name} (#{ctx.op_index}): "
+                    f"{by} answered {decision.name} and {policy_name(policy)} answered "
+                    f"{answer.name}; make one of them answer a PREFER_* decision or abstain "
+                    "(return None) for this op"
+                )
+        elif decision in _MUST:
+            continue
+        decision = answer
+        by = policy_name(policy)
+    return decision, by
+
+
+class PolicyContext:
+    """What a policy knows about the op it decides on.
+
+    One object per region, updated before each call (policies must not keep it).
+
+    Attributes:
+        region: the :class:`~ckpt_graph.engine.region.Region` being recorded.
+        op_index: position of the op in the region's forward (0-based).
+        op_name: the op's name, e.g. ``"aten.mm.default"``.
+        out_bytes: bytes of the op's tensor outputs.
+        kept_bytes: bytes the region keeps so far (before this op's decision).
+        is_random: the op draws random numbers.
+        is_inplace: the op writes one of its arguments.
+        module_path: dotted name of the innermost module whose forward is running,
+            relative to the outermost module called in the region (``""`` outside modules).
+        module: that module, or ``None``.
+        flops: estimated FLOPs of the op (``torch.utils.flop_counter`` formulas; 0 if
+            unknown).
+    """
+
+    __slots__ = ("_args", "_info", "_kwargs", "_op", "_out", "op_index", "region")
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+        self.op_index = 0
+        self._op: Any = None
+        self._info: OpInfo | None = None
+        self._out: Any = None
+        self._args: Any = ()
+        self._kwargs: Any = {}
+
+    def _set(self, index: int, op: Any, info: OpInfo, out: Any, args: Any, kwargs: Any) -> None:
+        self.op_index = index
+        self._op = op
+        self._info = info
+        self._out = out
+        self._args = args
+        self._kwargs = kwargs
+
+    def _clear(self) -> None:
+        self._out = self._args = self._kwargs = None
+
+    @property
+    def op_name(self) -> str:
+        return self._info.name if self._info is not None else "?"
+
+    @property
+    def is_random(self) -> bool:
+        return self._info is not None and self._info.is_random
+
+    @property
+    def is_inplace(self) -> bool:
+        return self._info is not None and self._info.is_inplace
+
+    @property
+    def out_bytes(self) -> int:
+        return tensor_bytes(self._out)
+
+    @property
+    def kept_bytes(self) -> int:
+        return self.region.kept_bytes
+
+    @property
+    def module_path(self) -> str:
+        return self.region._modules.path()
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        return self.region._modules.current()
+
+    @property
+    def flops(self) -> int:
+        return estimate_flops(self._op, self._out, self._args, self._kwargs)
+
+
+def tensor_bytes(out: Any) -> int:
+    """Bytes of the tensors in an op result (a tensor, or a tuple/list of them)."""
+    if isinstance(out, torch.Tensor):
+        return out.numel() * out.element_size()
+    if isinstance(out, (tuple, list)):
+        return sum(o.numel() * o.element_size() for o in out if isinstance(o, torch.Tensor))
+    return 0
+
+
+_aten = torch.ops.aten
+# Attention kernels without a registered formula (the CPU flash-attention overloads): they
+# cost what the registered SDPA kernels cost (``sdpa_flop_count`` on q, k, v shapes).
+SDPA_NO_FORMULA = frozenset(
+    {
+        _aten._scaled_dot_product_flash_attention_for_cpu,
+        _aten._scaled_dot_product_fused_attention_overrideable,
+    }
+)
+
+
+def estimate_flops(op: Any, out: Any, args: Any, kwargs: Any) -> int:
+    """FLOPs of one call from ``torch.utils.flop_counter``'s formulas (0 if none)."""
+    from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+    packet = getattr(op, "overloadpacket", None)
+    try:
+        if packet in SDPA_NO_FORMULA:
+            return int(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
+        formula = flop_registry.get(packet)
+        if formula is None:
+            return 0
+        return int(formula(*args, **kwargs, out_val=out))
+    except Exception:  # a formula that does not understand this overload: unknown cost
+        return 0

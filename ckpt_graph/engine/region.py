@@ -1,0 +1,378 @@
+"""Regions: ``save_recompute_policy``, ``checkpoint`` and ``tag_with_policy``.
+
+A region is opened by the outermost ``save_recompute_policy`` block of a thread and
+closed when that block exits; inner blocks push their policy onto the same region. While
+open, the region's :class:`~ckpt_graph.engine.record.Recorder` records every aten op and its
+saved-tensor hooks pack handles instead of tensors (see ``hooks.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ckpt_graph._errors import CkptGraphError
+from ckpt_graph.engine import graph
+from ckpt_graph.engine import modules as _modules
+from ckpt_graph.engine.decisions import POLICY_NAMES, PolicyContext, PolicyFn, resolve
+from ckpt_graph.engine.decisions import to_decision as _to_decision
+from ckpt_graph.engine.graph import Handle, OpNode, version_of
+from ckpt_graph.engine.hooks import pack_hook_for, unpack_hook_for_autograd
+from ckpt_graph.engine.mutation import index_storage
+from ckpt_graph.engine.realize import PassState, count_live_uses, lose_use
+from ckpt_graph.engine.record import KEEP as _KEEP
+from ckpt_graph.engine.record import Recorder
+
+__all__ = ["Region", "current_region"]
+
+_tls = threading.local()
+_DK = torch._C.DispatchKey
+
+
+def current_region() -> Region | None:
+    """The region open in this thread, or ``None``."""
+    return getattr(_tls, "region", None)
+
+
+class Region:
+    """The recorded graph of one checkpointed forward, and what backward needs of it.
+
+    Attributes:
+        nodes: the recorded op nodes, in forward order.
+        inputs: handles of region inputs and of values taken as they were (always kept).
+        saved: every tensor autograd saved in the region, in order, as ``(number of op
+            nodes recorded before the save, handle)``; backward unpacks roughly in reverse.
+        kept_bytes: bytes of the values kept by policy, tags or the engine (inputs excluded).
+        debug: whether recomputed values are checked against the forward (checksums).
+
+    Invariants:
+        Nothing outside refers to a region except the packed saved tensors autograd holds
+        and the user's own ``with ... as region`` variable; when the last packed saved
+        tensor is released (backward without ``retain_graph``, or the graph is dropped),
+        the region releases every tensor it holds (see Note [Packed lifetime]).
+
+    Example:
+        >>> with ckpt_graph.save_recompute_policy("recompute_all") as region:
+        ...     y = model(x)
+        >>> len(region.nodes) > 0
+        True
+    """
+
+    def __init__(self, debug: bool = False) -> None:
+        self.nodes: list[OpNode] = []
+        self.inputs: list[Handle] = []
+        self._saved: list[tuple[int, Handle]] = []  # See Note [Saved tensor records].
+        self._saved_at: list[int] = []
+        self._saved_handles: list[Handle] = []
+        self.kept_bytes = 0
+        self.debug = debug
+        self._policies: list[PolicyFn] = []
+        self._constant: CheckpointPolicy | None = None
+        self._ids: dict[int, Handle] = {}
+        self._shapes: dict[torch.Size, torch.Size] = {}  # See Note [Recording fast path].
+        self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # likewise, saved tensors
+        self._by_storage: dict[int, list[Handle]] | None = None
+        self._unsettled: list[Handle] = []
+        self._recording = False
+        self._open = False
+        self._closed = False
+        self._task = -1
+        self._live_packs = 0
+        self._ctx: PolicyContext | None = None
+        self._modules = _modules.ModuleStack()
+        self._exits: list[Any] = []
+        self._hook_fns: tuple[Any, Any] | None = None  # while open: refers to the region
+        self._pass = PassState()
+
+    # ----------------------------------------------------------------- lifecycle
+    def _open_region(self) -> None:
+        if torch.is_inference_mode_enabled():
+            raise CkptGraphError(
+                "ckpt_graph: save_recompute_policy cannot run under torch.inference_mode(): "
+                "inference mode saves nothing for backward; leave the region out, or run it "
+                "under torch.no_grad() instead"
+            )
+        self._task = torch._C._current_graph_task_id()
+        self._ctx = PolicyContext(self)
+        _tls.region = self
+        _modules.install_hooks()
+        self._hook_fns = (pack_hook_for(self), unpack_hook_for_autograd())
+        hooks = torch.autograd.graph.saved_tensors_hooks(*self._hook_fns)
+        recorder = Recorder(self)
+        hooks.__enter__()
+        recorder.__enter__()
+        self._exits = [recorder, hooks]
+        self._open = True
+        self._recording = True
+
+    def _hooks_for_nested_block(self) -> Any:
+        """Saved-tensor hooks a nested block must push again, or ``None``.
+
+        See Note [Foreign saved-tensor hooks].
+        """
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        fns = self._hook_fns
+        if not self._open or fns is None or (top is not None and top[0] is fns[0]):
+            return None
+        return torch.autograd.graph.saved_tensors_hooks(*fns)
+
+    def _close_region(self) -> None:
+        self._recording = False
+        self._open = False
+        self._closed = True
+        for cm in self._exits:
+            cm.__exit__(None, None, None)
+        self._exits = []
+        self._hook_fns = None
+        _modules.uninstall_hooks()
+        _tls.region = None
+        self._settle()
+        self._by_storage = None
+        self._shapes = {}
+        self._strides = {}
+        self._ctx = None
+        self._modules.clear()
+        if self._live_packs == 0:
+            self._release()
+        else:
+            count_live_uses(self)
+
+    def _release(self) -> None:
+        """Drop every tensor value the region holds (metadata stays for introspection)."""
+        for h in self.inputs:
+            h.value = None
+            h.cache = None
+        for node in self.nodes:
+            node.rng = None
+            for o in node.outputs:
+                if o is not None:
+                    o.value = None
+                    o.cache = None
+
+    # Note [Saved tensor records]
+    # The pack hook runs for every tensor autograd saves; it records the position and the
+    # handle in two flat lists, and ``saved`` pairs them up when read (the budget policy
+    # and introspection read it; plain recording never does). Appending to two lists
+    # creates no object, where a tuple per save would be one more object for the garbage
+    # collector to walk (see Note [Recording fast path]).
+    @property
+    def saved(self) -> list[tuple[int, Handle]]:
+        """Every tensor autograd saved in the region, in order: ``(number of op nodes
+        recorded before the save, handle)``. See Note [Saved tensor records]."""
+        saved = self._saved
+        n = len(saved)
+        if n < len(self._saved_handles):
+            saved.extend(zip(self._saved_at[n:], self._saved_handles[n:], strict=True))
+        return saved
+
+    # ----------------------------------------------------------------- handles
+    def _settle(self) -> None:
+        """Read the versions of the last op's in-place and view outputs.
+
+        Autograd bumps the version counter of a written tensor, and makes a view share its
+        base's counter, only after the recorder returns; nothing can run in between but
+        autograd's own bookkeeping, so the versions are read when the region next sees any
+        tensor (next op, saved tensor, tag, exit). See Note [Mutation and views], rule 5.
+        """
+        for h in self._unsettled:
+            t = h.ref() if h.ref is not None else None
+            if t is not None:
+                h.version = version_of(t)
+                if h.value is not None and h.offload_device is None:
+                    # A view got its base's version counter only now: alias it again.
+                    h.value = self._detached(t)
+        self._unsettled.clear()
+
+    def lookup(self, t: torch.Tensor) -> Handle | None:
+        """The handle of the value ``t`` held when last seen in the region, or ``None``."""
+        h = self._ids.get(id(t))
+        if h is None or h.ref is None or h.ref() is not t:
+            return None
+        return h
+
+    def handle_of(self, t: torch.Tensor) -> Handle:
+        """The handle of the value ``t`` holds now; a new kept input handle if unseen."""
+        old = self._ids.get(id(t))
+        if old is not None and old.ref is not None and old.ref() is t:
+            try:  # inlined version_of(): this runs for every tensor argument
+                version = t._version
+            except RuntimeError:
+                version = 0
+            if old.version == version and not old.superseded:
+                return old
+            # Changed through another alias: a view sharing its version counter, or one
+            # with a counter of its own (`.data`), which leaves the version as it was.
+            reason = graph.MUTATED_ALIAS
+        else:
+            reason = graph.INPUT
+        h = Handle(t, -1, len(self.inputs))
+        h.keep(self._detached(t), reason)
+        self.inputs.append(h)
+        self._ids[id(t)] = h
+        if self._by_storage is not None:
+            index_storage(self, h)
+        return h
+
+    def _scan(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Handle, ...]]:
+        """Replace tensors by handles in an op's arguments (flat scan, no pytree)."""
+        inputs: list[Handle] = []
+        h_args = list(args)
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                h_args[i] = h = self.handle_of(a)
+                inputs.append(h)
+            elif type(a) is list or type(a) is tuple:
+                h_args[i] = self._scan_list(a, inputs)
+        if kwargs:
+            kwargs = {k: self._scan_one(v, inputs) for k, v in kwargs.items()}
+        if len(inputs) > 1:
+            return tuple(h_args), kwargs, tuple(dict.fromkeys(inputs))
+        return tuple(h_args), kwargs, tuple(inputs)
+
+    def _scan_list(self, a: list[Any] | tuple[Any, ...], inputs: list[Handle]) -> Any:
+        if not any(isinstance(e, torch.Tensor) for e in a):
+            return a
+        return [self._scan_one(e, inputs) for e in a]
+
+    def _scan_one(self, a: Any, inputs: list[Handle]) -> Any:
+        if isinstance(a, torch.Tensor):
+            h = self.handle_of(a)
+            inputs.append(h)
+            return h
+        if type(a) is list or type(a) is tuple:
+            return self._scan_list(a, inputs)
+        return a
+
+    # ----------------------------------------------------------------- recording
+    def _keep(self, h: Handle, t: torch.Tensor, reason: str, offload: bool | None) -> None:
+        if offload and t.device.type != "cpu":
+            h.offload_device = t.device
+            t = t.to("cpu", non_blocking=True)
+        h.keep(self._detached(t), reason)
+
+    def _detached(self, t: torch.Tensor) -> torch.Tensor:
+        """An alias of ``t`` without autograd history, for the region to keep.
+
+        Kept values must not refer to the autograd graph: the graph holds the packed
+        saved tensors, which hold the region, which would make a reference cycle. The
+        recorder runs below autograd, where ``detach`` would give the alias a version
+        counter of its own; re-enabling the ADInplaceOrView key for the call makes it
+        share the forward tensor's counter, so later in-place changes stay visible.
+        """
+        if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+            include = torch._C._dispatch_tls_local_include_set()
+            exclude = torch._C._dispatch_tls_local_exclude_set()
+            exclude = exclude.remove(_DK.ADInplaceOrView).add(_DK.Python).add(_DK.PythonTLSSnapshot)
+            with torch._C._ForceDispatchKeyGuard(include, exclude):
+                return t.detach()
+        recording = self._recording
+        self._recording = False
+        try:
+            return t.detach()
+        finally:
+            self._recording = recording
+
+    # ----------------------------------------------------------------- policies
+    def _push(self, policy: PolicyFn) -> None:
+        self._policies.append(policy)
+        self._update_constant()
+        hook = getattr(policy, "on_region_enter", None)
+        if hook is not None:
+            hook(self)
+
+    def _pop(self) -> None:
+        policy = self._policies.pop()
+        self._update_constant()
+        hook = getattr(policy, "on_region_exit", None)
+        if hook is not None:
+            hook(self)
+
+    def _update_constant(self) -> None:
+        # Fast path: a stack of string-named policies decides without calling anything.
+        consts = [p for p in self._policies if p in POLICY_NAMES.values()]
+        self._constant = None
+        if self._policies and len(consts) == len(self._policies):
+            decision, _ = resolve(self._policies, PolicyContext(self), None, None, (), {})
+            self._constant = decision
+
+    @property
+    def policies(self) -> tuple[PolicyFn, ...]:
+        """The policy stack, outermost first."""
+        return tuple(self._policies)
+
+    def tag(self, t: torch.Tensor, policy: CheckpointPolicy | bool) -> None:
+        """Override the decision for the value ``t`` holds. See ``tag_with_policy``."""
+        from ckpt_graph.engine.api import tag_with_policy  # late: api imports this module
+
+        decision = _to_decision(policy, tag_with_policy, "tag_with_policy")
+        if decision is None:
+            raise TypeError(
+                "ckpt_graph: tag_with_policy needs a CheckpointPolicy or a bool, got None"
+            )
+        h = self.handle_of(t)
+        if h.node_index < 0 or (h.reason is not None and h.reason.startswith("engine")):
+            return  # region inputs and engine-kept values are always kept
+        node = self.nodes[h.node_index]
+        node.decided_by = "tag"
+        if decision in _KEEP:
+            if not h.kept:
+                self._keep(h, t, graph.TAG, _KEEP[decision])
+                self.kept_bytes += 0 if h.is_view else h.nbytes
+                if self._by_storage is not None:
+                    index_storage(self, h)
+            else:
+                h.reason = graph.TAG
+        elif h.kept:
+            self.kept_bytes -= 0 if h.is_view else h.nbytes
+            h.drop()
+
+    # ----------------------------------------------------------------- backward
+    def _pack_released(self, h: Handle) -> None:
+        self._live_packs -= 1
+        if self._closed:
+            if self._live_packs == 0:
+                self._release()
+            else:
+                lose_use(self, h)
+
+    # ----------------------------------------------------------------- introspection
+    # See ckpt_graph/analysis/export.py.
+    @property
+    def graph(self) -> Any:
+        """The recorded graph as records of op nodes (see ``analysis.graph``)."""
+        from ckpt_graph import analysis
+
+        return analysis.graph(self)
+
+    def to_networkx(self) -> Any:
+        """The recorded graph as a ``networkx.DiGraph`` (see ``analysis.to_networkx``)."""
+        from ckpt_graph import analysis
+
+        return analysis.to_networkx(self)
+
+    def to_dot(self) -> str:
+        """The recorded graph as DOT text (see ``analysis.to_dot``)."""
+        from ckpt_graph import analysis
+
+        return analysis.to_dot(self)
+
+    def summary(self) -> Any:
+        """What is kept, what is recomputed and what it costs (see ``analysis.summary``)."""
+        from ckpt_graph import analysis
+
+        return analysis.summary(self)
+
+    def explain(self, tensor: torch.Tensor) -> Any:
+        """Why ``tensor``'s value is kept or recomputed (see ``analysis.explain``)."""
+        from ckpt_graph import analysis
+
+        return analysis.explain(self, tensor)
+
+    def __repr__(self) -> str:
+        state = "open" if self._open else "closed"
+        return f"Region({len(self.nodes)} ops, {self.kept_bytes} kept bytes, {state})"
