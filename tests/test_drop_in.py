@@ -1,0 +1,116 @@
+"""Defects found by PyTorch's own checkpoint tests and an adversarial suite (issue 14).
+
+Every test compares gradients bitwise with a run without checkpointing, or matches the
+error by message. Each one failed before its fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
+
+import ckpt_graph as cg
+from ckpt_graph import policies
+from ckpt_graph._errors import CkptGraphError
+
+
+def _grads(
+    fn: Callable[[], torch.Tensor], params: list[torch.Tensor], seed: int = 0
+) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    fn().backward()
+    grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def _assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------ item 5: out= and policies
+
+
+def _answer_none(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _keep_out_kwarg(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+    # The op's out= tensor arrives as out_ (see Note [Policy keyword arguments]); the op's
+    # result is the positional ``out``, which aliases it.
+    return "out_" in kwargs and kwargs["out_"] is out
+
+
+def _sac_mm(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    # torch's SAC convention: the out= tensor under its own name.
+    assert "out_" not in kwargs
+    if op is torch.ops.aten.mv.out:
+        assert isinstance(kwargs["out"], torch.Tensor)
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+SPECTRAL_POLICIES: list[Any] = [
+    "recompute_all",
+    "must_save_all",
+    _answer_none,
+    _keep_out_kwarg,
+    lambda ctx, out, op, *args, **kwargs: False,
+    policies.save_matmuls(),
+    policies.from_torch_sac(_sac_mm),
+    policies.memory_budget(0.5),
+]
+
+
+@pytest.mark.filterwarnings("ignore:ckpt_graph. memory_budget")
+@pytest.mark.parametrize("policy", SPECTRAL_POLICIES)
+def test_spectral_norm_out_kwarg_reaches_policies(policy: Any) -> None:
+    torch.manual_seed(0)
+    lin = nn.utils.spectral_norm(nn.Linear(6, 5))
+    x = torch.randn(3, 6, requires_grad=True)
+    params = [x, *lin.parameters()]
+    u0 = lin.weight_u.clone()
+
+    def step(region: bool) -> torch.Tensor:
+        lin.weight_u.copy_(u0)  # the power iteration writes u and v with out=
+        if not region:
+            return lin(x).tanh().sum()
+        with cg.save_recompute_policy(policy):
+            return lin(x).tanh().sum()
+
+    want = _grads(lambda: step(False), params)
+    u_want = lin.weight_u.clone()
+    _assert_same(_grads(lambda: step(True), params), want)
+    torch.testing.assert_close(lin.weight_u, u_want, rtol=0, atol=0)
+
+
+def test_policy_sees_out_kwarg_renamed() -> None:
+    seen: list[tuple[Any, dict[str, Any]]] = []
+
+    def policy(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> None:
+        seen.append((op, kwargs))
+
+    a, v, u = torch.randn(3, 4), torch.randn(4), torch.empty(3)
+    with cg.save_recompute_policy(policy):
+        torch.mv(a, v, out=u)
+    (op, kwargs), *_ = [s for s in seen if s[0] is torch.ops.aten.mv.out]
+    assert set(kwargs) == {"out_"} and kwargs["out_"] is u
+
+
+def test_only_out_collides_with_policy_parameters() -> None:
+    # Note [Policy keyword arguments] says only ``out`` among aten keyword-only arguments.
+    from ckpt_graph.policies._core import PROTOCOL_NAMES
+
+    names = {
+        a.name
+        for s in torch._C._jit_get_all_schemas()
+        for a in s.arguments
+        if a.kwarg_only and a.name in PROTOCOL_NAMES
+    }
+    assert names == {"out"}
