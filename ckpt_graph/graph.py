@@ -38,6 +38,7 @@ TAG = "tag"
 MUTATED_ALIAS = "engine: value changed by an in-place op on an alias"
 INPLACE_ON_KEPT = "engine: in-place op on a kept value"
 CLONED_BEFORE_MUTATION = "engine: copy of a kept value taken before an in-place op"
+RANDOM_WITHOUT_REPLAY = "engine: random op on a device without generator replay"
 
 
 def arg_at(args: Sequence[Any], kwargs: dict[str, Any], where: int | str) -> Any:

@@ -339,10 +339,14 @@ def decide(
     node.decided_by = by
     node.module_path = region._modules.current_path
     keep = id(decision) in _KEEP_IDS
-    if not keep and overwritten is None:
-        if not node.info.is_random or node.rng is not None:
-            return
-        keep = True  # no generator replay for this device
+    reason = graph.POLICY
+    if node.info.is_random and node.rng is None and overwritten is None:
+        # No generator replay for this device (see Note [RNG replay]): recomputing would
+        # draw other values, so the engine keeps them, whatever the policy or a tag says.
+        keep = True
+        reason = graph.RANDOM_WITHOUT_REPLAY
+    elif not keep and overwritten is None:
+        return
     for o, h in zip(outs, node.outputs, strict=True):
         if h is None:
             continue
@@ -350,7 +354,7 @@ def decide(
             h.keep(region._detached(o), graph.INPLACE_ON_KEPT)
             overwritten.value = None  # superseded: nobody used the old version
         elif keep:
-            region._keep(h, o, graph.POLICY, KEEP.get(decision, False))
+            region._keep(h, o, reason, KEEP.get(decision, False))
         else:
             continue
         if not h.is_view and overwritten is None:

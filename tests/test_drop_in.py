@@ -114,3 +114,37 @@ def test_only_out_collides_with_policy_parameters() -> None:
         if a.kwarg_only and a.name in PROTOCOL_NAMES
     }
     assert names == {"out"}
+
+
+# ------------------------------------------------------------ item 19: random ops kept by the engine
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", "must_save_all"])
+def test_random_op_without_replay_is_kept_whatever_the_tag(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Simulate a device whose generator the engine cannot replay.
+    import ckpt_graph.record
+
+    monkeypatch.setattr(ckpt_graph.record, "capture_rng", lambda args, kwargs: None)
+    x = torch.randn(6, requires_grad=True)
+
+    def fwd() -> tuple[torch.Tensor, torch.Tensor]:
+        r = torch.bernoulli(torch.full_like(x, 0.5))
+        return (x * r).sin().sum(), r
+
+    torch.manual_seed(0)
+    y, r_want = fwd()
+    y.backward()
+    want = [x.grad.clone()]
+    x.grad = None
+    torch.manual_seed(0)
+    with cg.save_recompute_policy(policy) as region:
+        y, r = fwd()
+        cg.tag_with_policy(r, False)
+    torch.testing.assert_close(r, r_want, rtol=0, atol=0)
+    (h,) = [n.outputs[0] for n in region.nodes if n.info.name == "aten.bernoulli.default"]
+    assert h is not None and h.reason == "engine: random op on a device without generator replay"
+    torch.manual_seed(1)  # a recompute would now draw other values
+    y.backward()
+    _assert_same([x.grad], want)
