@@ -148,3 +148,43 @@ def test_random_op_without_replay_is_kept_whatever_the_tag(
     torch.manual_seed(1)  # a recompute would now draw other values
     y.backward()
     _assert_same([x.grad], want)
+
+
+# ------------------------------------------------------------ item 8: a failed in-place op
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", "must_save_all", policies.save_matmuls()])
+@pytest.mark.parametrize("first_write", [True, False])
+def test_failed_inplace_op_changes_nothing(policy: Any, first_write: bool) -> None:
+    x = torch.randn(4, 4, requires_grad=True)
+
+    def fwd() -> torch.Tensor:
+        y = x * 2
+        if not first_write:  # the storage index exists before the failing write
+            w = (x + 1).mul_(2)
+        else:
+            w = x + 0
+        z = (y @ y).sin()  # saves y
+        with pytest.raises(RuntimeError, match="must match the size"):
+            y[0:2].add_(torch.ones(3))
+        with pytest.raises(RuntimeError, match="must match the size"):
+            y.mul_(torch.ones(3))
+        return (z * w).sum() + y.tanh().sum()
+
+    want = _grads(fwd, [x])
+    with cg.save_recompute_policy(policy):
+        got = _grads(fwd, [x])
+    _assert_same(got, want)
+
+
+def test_failed_inplace_op_then_real_write_still_raises() -> None:
+    # After the undo, a successful write of the saved value still raises as eager does.
+    x = torch.randn(4, requires_grad=True)
+    with cg.save_recompute_policy("must_save_all"):
+        y = x * 2
+        z = y.sin()  # saves y
+        with pytest.raises(RuntimeError, match="must match the size"):
+            y[0:2].add_(torch.ones(3))
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
