@@ -174,8 +174,16 @@ def _kept_value(region: Region, h: Handle) -> torch.Tensor:
     return v
 
 
-def unpack_value(region: Region, h: Handle) -> torch.Tensor:
-    """The value of a saved tensor, for autograd's unpack."""
+def unpack_value(region: Region, h: Handle, packed: Any = None) -> torch.Tensor:
+    """The value of a saved tensor, for autograd's unpack.
+
+    Args:
+        region: the region that packed it.
+        h: its handle.
+        packed: the ``hooks.Packed`` object unpacked, if any; it records the pass of its
+            last read, so that a second read in one pass takes no use (see Note [Reading a
+            saved tensor again]).
+    """
     if h.superseded:
         t = h.ref() if h.ref is not None else None
         if t is not None and version_of(t) == h.version:  # see Note [Mutation and views]
@@ -190,8 +198,14 @@ def unpack_value(region: Region, h: Handle) -> torch.Tensor:
     if one_shot or task != state.task:
         begin_pass(region, task)
     try:
-        value = realize(region, h)
-        _release_use(region, state, h)
+        if packed is not None and packed.read == state.number:
+            # See Note [Reading a saved tensor again].
+            value = h.cache if h.cache is not None else realize_again(region, h)
+        else:
+            value = realize(region, h)
+            _release_use(region, state, h)
+            if packed is not None:
+                packed.read = state.number
     finally:
         if one_shot:
             end_pass(region)
@@ -431,6 +445,90 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
             "model that triggers it"
         )
     return h.cache
+
+
+# Note [Reading a saved tensor again]
+# Autograd unpacks a saved tensor at every read: a custom ``autograd.Function`` whose
+# backward reads ``ctx.saved_tensors`` twice, or a hook reading ``grad_fn._saved_self``
+# before the node runs, unpack the same packed object twice in one pass. Its use was taken
+# at the first read (see Note [Use counts and freeing]), so the value may be freed already
+# and its producer has run in this pass. A packed object therefore remembers the pass of
+# its last read (``Packed.read``); a further read in that pass takes no use and returns the
+# cached value, or recomputes it with ``realize_again``: from kept and cached values, into
+# a local table, without touching use counts, caches or the pass state, writes replayed on
+# copies. The result belongs to the caller only, so nothing stays alive once it drops it;
+# a second read costs a recomputation instead of holding every value read until the end
+# of the pass.
+
+
+def realize_again(region: Region, h: Handle) -> torch.Tensor:
+    """Recompute ``h`` once more, outside the pass bookkeeping.
+
+    See Note [Reading a saved tensor again].
+    """
+    nodes = region.nodes
+    # id(handle) -> value of this call. No closures over it: a nested function that
+    # calls itself is a reference cycle, which would keep the values until a gc pass.
+    local: dict[int, torch.Tensor] = {}
+    recording = region._recording
+    region._recording = False
+    grad_was = torch.is_grad_enabled()
+    _set_grad_enabled(False)
+    autocast = _autocast_off() if _is_any_autocast_enabled() else None
+    if autocast is not None:
+        autocast.__enter__()
+    try:
+        stack: list[tuple[int, bool]] = [(h.node_index, False)]
+        while stack:
+            index, expanded = stack.pop()
+            node = nodes[index]
+            if not expanded:
+                if all(o is None or id(o) in local for o in node.outputs):
+                    continue
+                stack.append((index, True))
+                for i in node.inputs:
+                    if i.reason is None and i.cache is None and id(i) not in local:
+                        stack.append((i.node_index, False))
+                continue
+            if any(o is not None and id(o) in local for o in node.outputs):
+                continue  # ran already (pushed twice before it ran)
+            args = [_local_value(region, local, a) for a in node.args]
+            kwargs = {k: _local_value(region, local, v) for k, v in node.kwargs.items()}
+            for w in node.info.writes:  # never write a value someone else holds
+                v = arg_at(args, kwargs, w)
+                if isinstance(v, torch.Tensor):
+                    v = (
+                        v.as_strided(v.size(), v.stride(), v.storage_offset())
+                        if node.info.is_inplace_view
+                        else exact_copy(v)
+                    )
+                    if isinstance(w, int):
+                        args[w] = v
+                    else:
+                        kwargs[w] = v
+            out = _call(node, args, kwargs)
+            for o, v in zip(node.outputs, out if node.out_is_tuple else (out,), strict=True):
+                if o is not None:
+                    local[id(o)] = v
+    finally:
+        if autocast is not None:
+            autocast.__exit__(None, None, None)
+        _set_grad_enabled(grad_was)
+        region._recording = recording
+    return local[id(h)]
+
+
+def _local_value(region: Region, local: dict[int, torch.Tensor], a: Any) -> Any:
+    """An argument's value for ``realize_again``: kept, cached, or computed by this call."""
+    if type(a) is Handle:
+        if a.reason is not None:
+            return _kept_value(region, a)
+        if a.cache is not None:
+            return a.cache
+        return local[id(a)]
+    if type(a) is list:
+        return [_local_value(region, local, e) for e in a]
+    return a
 
 
 def _value(region: Region, a: Any) -> Any:

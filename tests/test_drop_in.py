@@ -188,3 +188,96 @@ def test_failed_inplace_op_then_real_write_still_raises() -> None:
         y.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         z.sum().backward()
+
+
+# ------------------------------------------------------------ item 10: reading a saved tensor twice
+
+
+class _ReadTwice(torch.autograd.Function):
+    """``a * b`` whose backward reads ``ctx.saved_tensors`` twice."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, _ = ctx.saved_tensors
+        _, b = ctx.saved_tensors
+        a2, b2 = ctx.saved_tensors
+        return g * b2 * (a2 is not None), g * a
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", "must_save_all", policies.save_matmuls()])
+@pytest.mark.parametrize("retain", [False, True])
+def test_custom_function_reads_saved_tensors_twice(policy: Any, retain: bool) -> None:
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def fwd() -> torch.Tensor:
+        h = (x @ w).sin()
+        d = torch.nn.functional.dropout(h, 0.5) + 1
+        return (_ReadTwice.apply(h.exp(), d) @ w).tanh().sum()
+
+    want = _grads(fwd, [x, w])
+    torch.manual_seed(0)
+    with cg.save_recompute_policy(policy):
+        y = fwd()
+    y.backward(retain_graph=retain)
+    got = [x.grad.clone(), w.grad.clone()]
+    _assert_same(got, want)
+    if retain:  # a second pass reads twice again
+        x.grad = w.grad = None
+        y.backward()
+        _assert_same([x.grad, w.grad], want)
+
+
+def test_hook_reads_saved_self_before_the_node_runs() -> None:
+    x = torch.randn(5, requires_grad=True)
+    seen: list[torch.Tensor] = []
+
+    def fwd() -> torch.Tensor:
+        y = x.sin()
+        z = y * x.cos()
+        grad_fn = z.grad_fn
+        assert grad_fn is not None
+        z.register_hook(lambda g: seen.append(grad_fn._saved_self))  # type: ignore[attr-defined]
+        return z.exp().sum()
+
+    want = _grads(fwd, [x])
+    with cg.save_recompute_policy("recompute_all"):
+        y = fwd()
+    y.backward()
+    _assert_same([x.grad], want)
+    torch.testing.assert_close(seen[-1], x.detach().sin(), rtol=0, atol=0)
+
+
+def test_value_read_twice_is_freed() -> None:
+    import gc
+    import weakref
+
+    from models import LIVE_OUTPUTS, counted
+
+    def run_once() -> list[weakref.ref[Any]]:
+        x = torch.randn(3, 4, requires_grad=True)
+        with cg.save_recompute_policy("recompute_all"):
+            h = counted(x * 2)
+            refs = [weakref.ref(h), weakref.ref(h.untyped_storage())]
+            y = _ReadTwice.apply(h, x.cos()).sum()
+        del h
+        y.backward()
+        return refs
+
+    run_once()  # the first run finishes lazy imports (see tests/test_lifetime.py)
+    gc.collect()
+    LIVE_OUTPUTS.clear()
+    gc.disable()
+    try:
+        refs = run_once()
+        assert not [r for r in refs if r() is not None], "forward value alive"
+        # forward, first read; the two further reads recompute (nothing held between reads)
+        assert len(LIVE_OUTPUTS) == 4
+        assert not [r for r in LIVE_OUTPUTS if r() is not None], "recomputed value alive"
+    finally:
+        gc.enable()
