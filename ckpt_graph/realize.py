@@ -88,7 +88,7 @@ import torch
 
 from ._debug import check_replay
 from ._errors import CkptGraphError
-from .graph import Handle, arg_at, version_of
+from .graph import INPUT, Handle, arg_at, version_of
 
 if TYPE_CHECKING:
     from .graph import OpNode
@@ -190,7 +190,13 @@ def unpack_value(region: Region, h: Handle, packed: Any = None) -> torch.Tensor:
             raise _untracked_write_error(h, region)
         raise _version_error(h, region, t._version if t is not None else h.version + 1)
     if h.reason is not None:
-        return _kept_value(region, h)
+        value = _kept_value(region, h)
+        if h.reason is INPUT and h.ref is not None:
+            # See Note [Region inputs keep their identity].
+            t = h.ref()
+            if t is not None:
+                return t
+        return value
     _check_version(region, h)
     task = _current_task()
     state = region._pass
@@ -445,6 +451,18 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
             "model that triggers it"
         )
     return h.cache
+
+
+# Note [Region inputs keep their identity]
+# A saved tensor that was a region input (a parameter, a mask, the block's input) and is
+# unchanged is unpacked as the original tensor object while it is alive, not as the alias
+# the region keeps (``Region._detached``), so ``ctx.saved_tensors[i] is w`` holds as in eager
+# for tensors that do not require grad. The version check comes first (``_kept_value``).
+# Known limitation: autograd re-wraps whatever an unpack hook returns for a tensor that
+# requires grad (``SavedVariable::unpack`` with hooks), so such a tensor (a parameter) comes
+# back as a new object sharing its storage, without its Python attributes
+# (Megatron's ``weight.main_grad``); ``torch.utils.checkpoint`` without reentrant has the
+# same limit. Keep such attributes on ``ctx`` (``ctx.weight = weight``) instead.
 
 
 # Note [Reading a saved tensor again]
