@@ -234,6 +234,8 @@ def _record_op(region: Region, func: Any, args: tuple[Any, ...], kwargs: dict[st
     undo = None
     if info.writes:
         undo = _write_state(region, info, args, kwargs, h_args, h_kwargs)
+        if info.silent_writes:
+            _keep_silently_written(region, info, args, kwargs, h_args, h_kwargs)
         overwritten = before_write(region, info, args, kwargs, h_args, h_kwargs)
     rng = capture_rng(args, kwargs) if info.is_random else None
     try:
@@ -244,6 +246,42 @@ def _record_op(region: Region, func: Any, args: tuple[Any, ...], kwargs: dict[st
         raise
     record_node(region, func, info, h_args, h_kwargs, inputs, out, rng, args, kwargs, overwritten)
     return out
+
+
+# Note [Silent writes]
+# Some writes bump no version counter (``OpInfo.silent_writes``): CPU ``native_batch_norm``
+# updating running statistics, ``rrelu_with_noise`` filling its noise argument. Autograd
+# saves ``noise`` before the op runs, and eager's backward reads whatever the tensor holds
+# then: the values the op wrote. A recomputed handle of the written argument would give
+# the values before the write (``empty_like``'s garbage), so the written argument is kept
+# as an alias of the forward tensor before the op runs (reason ``SILENT_WRITE``): the alias
+# sees the write, as eager's saved tensor does, and ``before_write`` does not replace it by
+# a copy. Region inputs (running statistics) are kept anyway, and copied before the write
+# for the op nodes that read them earlier.
+
+
+def _keep_silently_written(
+    region: Region,
+    info: OpInfo,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    h_args: tuple[Any, ...],
+    h_kwargs: dict[str, Any],
+) -> None:
+    """Keep recomputed arguments a silent write changes. See Note [Silent writes]."""
+    for w in info.writes:
+        t = arg_at(args, kwargs, w)
+        h = arg_at(h_args, h_kwargs, w)
+        if not isinstance(t, torch.Tensor) or not isinstance(h, Handle) or h.node_index < 0:
+            continue
+        if h.reason is None:
+            region._keep(h, t, graph.SILENT_WRITE, False)
+            if not h.is_view:
+                region.kept_bytes += h.nbytes
+            if region._by_storage is not None:
+                index_storage(region, h)
+        elif h.reason is graph.POLICY or h.reason is graph.TAG:
+            h.reason = graph.SILENT_WRITE  # already an alias; ``before_write`` must not copy it
 
 
 # Note [Failed in-place ops]

@@ -353,3 +353,49 @@ def test_saved_parameter_keeps_identity_for_main_grad() -> None:
         y = _MainGradLinear.apply(x.sin(), w).sum()
     y.backward()
     torch.testing.assert_close(w.main_grad, x.detach().sin().t() @ torch.ones(2, 4))  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------ item 6: RReLU in training mode
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", "must_save_all", policies.save_matmuls()])
+@pytest.mark.parametrize("retain", [False, True])
+def test_rrelu_training_gradients(policy: Any, retain: bool) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    act = nn.RReLU().train()
+    x = torch.randn(4, 8, requires_grad=True)
+    params = [x, *lin.parameters()]
+
+    def fwd() -> torch.Tensor:
+        h = act(lin(x) * 2)
+        return (act(h.sin()) * h).sum()
+
+    want = _grads(fwd, params, seed=3)
+    torch.manual_seed(3)
+    with cg.save_recompute_policy(policy):
+        y = fwd()
+    torch.manual_seed(4)  # replay must not depend on the stream's position
+    y.backward(retain_graph=retain)
+    _assert_same([p.grad for p in params], want)  # type: ignore[misc]
+    if retain:
+        for p in params:
+            p.grad = None
+        y.backward()
+        _assert_same([p.grad for p in params], want)  # type: ignore[misc]
+
+
+def test_rrelu_noise_write_bumps_no_version() -> None:
+    # graph._UNVERSIONED_WRITES relies on it: eager's backward reads the noise written by
+    # the op through a saved tensor taken before the op (see Note [Silent writes]).
+    seen: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.append(t)
+        return t
+
+    x = torch.randn(8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        nn.functional.rrelu(x * 1, training=True)
+    assert [t._version for t in seen] == [0, 0]
+    assert torch.ops.aten.rrelu_with_noise.default._schema.arguments[1].alias_info.is_write
