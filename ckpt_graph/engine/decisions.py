@@ -11,6 +11,16 @@
 #      conflict, reported with the op and both policies (no silent winner).
 # Anything else a policy returns is a TypeError naming the policy and the op. Tags
 # (``tag_with_policy``) are applied after the stack and override it for one value.
+#
+# Note [Policy keyword arguments]
+# A policy is called as ``policy(ctx, out, op, *args, **kwargs)``: the op's positional
+# arguments follow ``op``, and its keyword arguments are passed as keywords under their own
+# names, except a keyword named like a parameter of the protocol (``ctx``, ``out``, ``op``),
+# which would bind to that parameter (or raise "got multiple values for argument"). Such a
+# keyword gets a trailing underscore: the op's ``out=`` tensor (``torch.mv(w, v, out=u)``)
+# reaches the policy as ``kwargs["out_"]``, while ``out`` is always the op's result. Of
+# aten's keyword-only arguments only ``out`` is affected (checked by a test over every
+# schema). ``from_torch_sac`` renames it back: torch's SAC signature has no ``out``.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ __all__ = [
     "PolicyContext",
     "PolicyFn",
     "normalize_policy",
+    "policy_kwargs",
     "resolve",
     "to_decision",
 ]
@@ -115,14 +126,38 @@ def to_decision(answer: Any, policy: PolicyFn, op_name: str) -> CheckpointPolicy
     )
 
 
+# Keyword names of the policy protocol's own parameters. See Note [Policy keyword arguments].
+PROTOCOL_NAMES = ("ctx", "out", "op")
+
+
+def policy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The op's keyword arguments as a policy receives them: a keyword named ``ctx``,
+    ``out`` or ``op`` gets a trailing underscore (``out=`` becomes ``out_=``).
+
+    See Note [Policy keyword arguments].
+
+    Example:
+        >>> sorted(policy_kwargs({"out": 1, "alpha": 2}))
+        ['alpha', 'out_']
+    """
+    if not ("out" in kwargs or "ctx" in kwargs or "op" in kwargs):
+        return kwargs
+    return {(k + "_" if k in PROTOCOL_NAMES else k): v for k, v in kwargs.items()}
+
+
 def resolve(
     stack: list[PolicyFn], ctx: PolicyContext, out: Any, op: Any, args: Any, kwargs: Any
 ) -> tuple[CheckpointPolicy, str]:
     """Ask every policy of the stack about one op. See Note [Policy stack resolution].
 
+    Each policy is called as ``policy(ctx, out, op, *args, **policy_kwargs(kwargs))``: see
+    Note [Policy keyword arguments].
+
     Returns:
         The decision and the name of the policy that set it (``""`` for the default).
     """
+    if kwargs:
+        kwargs = policy_kwargs(kwargs)
     if len(stack) == 1:  # the common case, without the conflict bookkeeping
         policy = stack[0]
         answer = policy(ctx, out, op, *args, **kwargs)

@@ -37,7 +37,9 @@ POLICY = "policy"
 TAG = "tag"
 MUTATED_ALIAS = "engine: value changed by an in-place op on an alias"
 INPLACE_ON_KEPT = "engine: in-place op on a kept value"
+SILENT_WRITE = "engine: written in place without a version bump (backward reads the new value)"
 CLONED_BEFORE_MUTATION = "engine: copy of a kept value taken before an in-place op"
+RANDOM_WITHOUT_REPLAY = "engine: random op on a device without generator replay"
 
 
 def arg_at(args: Sequence[Any], kwargs: dict[str, Any], where: int | str) -> Any:
@@ -175,9 +177,10 @@ class OpInfo:
         is_random: the op draws from a random generator.
         is_inplace_view: the op changes only the metadata of its input (``t_``).
         is_pointwise: the op is elementwise (``torch.Tag.pointwise``): cheap to run again.
-        silent_writes: the writes are not in the schema and bump no version counter (CPU
-            ``native_batch_norm``): eager autograd cannot see them, so neither do saved
-            tensors of the old value.
+        silent_writes: the writes bump no version counter, whether or not the schema
+            declares them (CPU ``native_batch_norm``; ``rrelu_with_noise``, whose noise
+            argument autograd saves before the op writes it): eager autograd cannot see
+            them, so a saved tensor of the old value reads the new one.
     """
 
     name: str
@@ -204,6 +207,11 @@ _UNANNOTATED_WRITES: dict[str, tuple[int, ...]] = {
     "aten::miopen_batch_norm": (3, 4),
 }
 
+# Ops whose schema declares a write that bumps no version counter in eager:
+# ``rrelu_with_noise`` fills its noise argument, which its backward formula reads, and
+# autograd saves that argument before the op runs. See Note [Silent writes] in record.py.
+_UNVERSIONED_WRITES = frozenset({"aten::rrelu_with_noise"})
+
 _OP_INFO: dict[OpOverload, OpInfo] = {}
 
 
@@ -224,6 +232,8 @@ def _compute_op_info(op: OpOverload) -> OpInfo:
     silent = op.name() in _UNANNOTATED_WRITES and op._overloadname in ("default", "")
     if silent:
         writes.extend(_UNANNOTATED_WRITES[op.name()])
+    elif op.name() in _UNVERSIONED_WRITES and op._overloadname in ("default", ""):
+        silent = True
     returns = schema.returns
     returns_written = bool(returns) and all(
         r.alias_info is not None and r.alias_info.is_write for r in returns

@@ -43,11 +43,12 @@ class Packed(_PackedBase):
     ``ckpt_graph::unpack`` op instead of tracing the engine. See Note [Compiled autograd].
     """
 
-    __slots__ = ("handle", "region")
+    __slots__ = ("handle", "read", "region")
 
     def __init__(self, region: Region, handle: Handle) -> None:
         self.region = region
         self.handle = handle
+        self.read = -1  # pass number of the last read; see Note [Reading a saved tensor again]
         handle.packs += 1
         region._live_packs += 1
 
@@ -94,7 +95,7 @@ def pack_hook_for(region: Region) -> Callable[[torch.Tensor], Any]:
 def unpack_hook(packed: Any) -> torch.Tensor:
     """Return the saved tensor: the kept value, or its recomputation."""
     if type(packed) is Packed:
-        return unpack_value(packed.region, packed.handle)
+        return unpack_value(packed.region, packed.handle, packed)
     if torch.compiler.is_compiling() and _UNPACK_OP:
         return _UNPACK_OP[0](packed)  # type: ignore[no-any-return]
     return packed  # type: ignore[no-any-return]
@@ -116,7 +117,7 @@ if _register_opaque is not None:
 
     @torch.library.custom_op("ckpt_graph::unpack", mutates_args=())
     def _unpack_op(packed: Packed) -> torch.Tensor:
-        return unpack_value(packed.region, packed.handle)
+        return unpack_value(packed.region, packed.handle, packed)
 
     @_unpack_op.register_fake  # type: ignore[misc]
     def _(packed: Any) -> torch.Tensor:

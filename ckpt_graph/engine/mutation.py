@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckpt_graph.engine.graph import Handle, OpInfo, arg_at
+from ckpt_graph.engine.graph import SILENT_WRITE, Handle, OpInfo, arg_at
 from ckpt_graph.engine.realize import exact_copy
 
 if TYPE_CHECKING:
@@ -97,6 +97,8 @@ def before_write(
         for k in entries:
             if k.value is None:
                 continue
+            if k is written and k.reason is SILENT_WRITE:
+                continue  # saved tensors read the new value: see Note [Silent writes]
             if k is not written and not info.silent_writes:
                 k.superseded = True  # an alias: it shares the version counter
             if k is written and k.uses == 0 and info.returns_written:

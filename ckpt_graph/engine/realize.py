@@ -57,7 +57,9 @@
 # the state the generator had, so recomputed values equal the forward's and the user's
 # random stream ends where it would have without checkpointing. A state equal to the one
 # the previous random op captured (the op drew nothing: SDPA without dropout) is shared, not
-# copied; a CPU generator state is 5 KiB.
+# copied; a CPU generator state is 5 KiB. On a device whose default generator the engine
+# cannot address (``mutation.capture_rng`` returns ``None``), the outputs of a random op are
+# kept for the engine reason ``RANDOM_WITHOUT_REPLAY``, which no policy or tag overrides.
 #
 # Note [Releasing kept values]
 # A kept value is needed as long as a saved tensor refers to it, or a saved tensor of a
@@ -86,7 +88,7 @@ import torch
 
 from ckpt_graph._errors import CkptGraphError
 from ckpt_graph.engine.debug import check_replay
-from ckpt_graph.engine.graph import Handle, arg_at, version_of
+from ckpt_graph.engine.graph import INPUT, Handle, arg_at, version_of
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
@@ -172,15 +174,29 @@ def _kept_value(region: Region, h: Handle) -> torch.Tensor:
     return v
 
 
-def unpack_value(region: Region, h: Handle) -> torch.Tensor:
-    """The value of a saved tensor, for autograd's unpack."""
+def unpack_value(region: Region, h: Handle, packed: Any = None) -> torch.Tensor:
+    """The value of a saved tensor, for autograd's unpack.
+
+    Args:
+        region: the region that packed it.
+        h: its handle.
+        packed: the ``hooks.Packed`` object unpacked, if any; it records the pass of its
+            last read, so that a second read in one pass takes no use (see Note [Reading a
+            saved tensor again]).
+    """
     if h.superseded:
         t = h.ref() if h.ref is not None else None
         if t is not None and version_of(t) == h.version:  # see Note [Mutation and views]
             raise _untracked_write_error(h, region)
         raise _version_error(h, region, t._version if t is not None else h.version + 1)
     if h.reason is not None:
-        return _kept_value(region, h)
+        value = _kept_value(region, h)
+        if h.reason is INPUT and h.ref is not None:
+            # See Note [Region inputs keep their identity].
+            t = h.ref()
+            if t is not None:
+                return t
+        return value
     _check_version(region, h)
     task = _current_task()
     state = region._pass
@@ -188,8 +204,14 @@ def unpack_value(region: Region, h: Handle) -> torch.Tensor:
     if one_shot or task != state.task:
         begin_pass(region, task)
     try:
-        value = realize(region, h)
-        _release_use(region, state, h)
+        if packed is not None and packed.read == state.number:
+            # See Note [Reading a saved tensor again].
+            value = h.cache if h.cache is not None else realize_again(region, h)
+        else:
+            value = realize(region, h)
+            _release_use(region, state, h)
+            if packed is not None:
+                packed.read = state.number
     finally:
         if one_shot:
             end_pass(region)
@@ -429,6 +451,102 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
             "model that triggers it"
         )
     return h.cache
+
+
+# Note [Region inputs keep their identity]
+# A saved tensor that was a region input (a parameter, a mask, the block's input) and is
+# unchanged is unpacked as the original tensor object while it is alive, not as the alias
+# the region keeps (``Region._detached``), so ``ctx.saved_tensors[i] is w`` holds as in eager
+# for tensors that do not require grad. The version check comes first (``_kept_value``).
+# Known limitation: autograd re-wraps whatever an unpack hook returns for a tensor that
+# requires grad (``SavedVariable::unpack`` with hooks), so such a tensor (a parameter) comes
+# back as a new object sharing its storage, without its Python attributes
+# (Megatron's ``weight.main_grad``); ``torch.utils.checkpoint`` without reentrant has the
+# same limit. Keep such attributes on ``ctx`` (``ctx.weight = weight``) instead.
+
+
+# Note [Reading a saved tensor again]
+# Autograd unpacks a saved tensor at every read: a custom ``autograd.Function`` whose
+# backward reads ``ctx.saved_tensors`` twice, or a hook reading ``grad_fn._saved_self``
+# before the node runs, unpack the same packed object twice in one pass. Its use was taken
+# at the first read (see Note [Use counts and freeing]), so the value may be freed already
+# and its producer has run in this pass. A packed object therefore remembers the pass of
+# its last read (``Packed.read``); a further read in that pass takes no use and returns the
+# cached value, or recomputes it with ``realize_again``: from kept and cached values, into
+# a local table, without touching use counts, caches or the pass state, writes replayed on
+# copies. The result belongs to the caller only, so nothing stays alive once it drops it;
+# a second read costs a recomputation instead of holding every value read until the end
+# of the pass.
+
+
+def realize_again(region: Region, h: Handle) -> torch.Tensor:
+    """Recompute ``h`` once more, outside the pass bookkeeping.
+
+    See Note [Reading a saved tensor again].
+    """
+    nodes = region.nodes
+    # id(handle) -> value of this call. No closures over it: a nested function that
+    # calls itself is a reference cycle, which would keep the values until a gc pass.
+    local: dict[int, torch.Tensor] = {}
+    recording = region._recording
+    region._recording = False
+    grad_was = torch.is_grad_enabled()
+    _set_grad_enabled(False)
+    autocast = _autocast_off() if _is_any_autocast_enabled() else None
+    if autocast is not None:
+        autocast.__enter__()
+    try:
+        stack: list[tuple[int, bool]] = [(h.node_index, False)]
+        while stack:
+            index, expanded = stack.pop()
+            node = nodes[index]
+            if not expanded:
+                if all(o is None or id(o) in local for o in node.outputs):
+                    continue
+                stack.append((index, True))
+                for i in node.inputs:
+                    if i.reason is None and i.cache is None and id(i) not in local:
+                        stack.append((i.node_index, False))
+                continue
+            if any(o is not None and id(o) in local for o in node.outputs):
+                continue  # ran already (pushed twice before it ran)
+            args = [_local_value(region, local, a) for a in node.args]
+            kwargs = {k: _local_value(region, local, v) for k, v in node.kwargs.items()}
+            for w in node.info.writes:  # never write a value someone else holds
+                v = arg_at(args, kwargs, w)
+                if isinstance(v, torch.Tensor):
+                    v = (
+                        v.as_strided(v.size(), v.stride(), v.storage_offset())
+                        if node.info.is_inplace_view
+                        else exact_copy(v)
+                    )
+                    if isinstance(w, int):
+                        args[w] = v
+                    else:
+                        kwargs[w] = v
+            out = _call(node, args, kwargs)
+            for o, v in zip(node.outputs, out if node.out_is_tuple else (out,), strict=True):
+                if o is not None:
+                    local[id(o)] = v
+    finally:
+        if autocast is not None:
+            autocast.__exit__(None, None, None)
+        _set_grad_enabled(grad_was)
+        region._recording = recording
+    return local[id(h)]
+
+
+def _local_value(region: Region, local: dict[int, torch.Tensor], a: Any) -> Any:
+    """An argument's value for ``realize_again``: kept, cached, or computed by this call."""
+    if type(a) is Handle:
+        if a.reason is not None:
+            return _kept_value(region, a)
+        if a.cache is not None:
+            return a.cache
+        return local[id(a)]
+    if type(a) is list:
+        return [_local_value(region, local, e) for e in a]
+    return a
 
 
 def _value(region: Region, a: Any) -> Any:

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ckpt_graph.engine import graph
 from ckpt_graph.engine.debug import checksums
 from ckpt_graph.engine.decisions import resolve
-from ckpt_graph.engine.graph import _OP_INFO, Handle, OpInfo, OpNode, op_info
+from ckpt_graph.engine.graph import _OP_INFO, Handle, OpInfo, OpNode, arg_at, op_info
 from ckpt_graph.engine.mutation import before_write, capture_rng, index_storage, mark_written
 
 if TYPE_CHECKING:
@@ -230,13 +230,115 @@ def _record_op(region: Region, func: Any, args: tuple[Any, ...], kwargs: dict[st
     if not info.writes and not info.is_random and func is not _ONES_LIKE and id(func) not in _PLAIN:
         _PLAIN[id(func)] = (func, info)
     h_args, h_kwargs, inputs = region._scan(args, kwargs)
-    overwritten = (
-        before_write(region, info, args, kwargs, h_args, h_kwargs) if info.writes else None
-    )
+    overwritten = None
+    undo = None
+    if info.writes:
+        undo = _write_state(region, info, args, kwargs, h_args, h_kwargs)
+        if info.silent_writes:
+            _keep_silently_written(region, info, args, kwargs, h_args, h_kwargs)
+        overwritten = before_write(region, info, args, kwargs, h_args, h_kwargs)
     rng = capture_rng(args, kwargs) if info.is_random else None
-    out = func(*args, **kwargs)
+    try:
+        out = func(*args, **kwargs)
+    except BaseException:
+        if undo is not None:
+            _restore(region, undo)
+        raise
     record_node(region, func, info, h_args, h_kwargs, inputs, out, rng, args, kwargs, overwritten)
     return out
+
+
+# Note [Silent writes]
+# Some writes bump no version counter (``OpInfo.silent_writes``): CPU ``native_batch_norm``
+# updating running statistics, ``rrelu_with_noise`` filling its noise argument. Autograd
+# saves ``noise`` before the op runs, and eager's backward reads whatever the tensor holds
+# then: the values the op wrote. A recomputed handle of the written argument would give
+# the values before the write (``empty_like``'s garbage), so the written argument is kept
+# as an alias of the forward tensor before the op runs (reason ``SILENT_WRITE``): the alias
+# sees the write, as eager's saved tensor does, and ``before_write`` does not replace it by
+# a copy. Region inputs (running statistics) are kept anyway, and copied before the write
+# for the op nodes that read them earlier.
+
+
+def _keep_silently_written(
+    region: Region,
+    info: OpInfo,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    h_args: tuple[Any, ...],
+    h_kwargs: dict[str, Any],
+) -> None:
+    """Keep recomputed arguments a silent write changes. See Note [Silent writes]."""
+    for w in info.writes:
+        t = arg_at(args, kwargs, w)
+        h = arg_at(h_args, h_kwargs, w)
+        if not isinstance(t, torch.Tensor) or not isinstance(h, Handle) or h.node_index < 0:
+            continue
+        if h.reason is None:
+            region._keep(h, t, graph.SILENT_WRITE, False)
+            if not h.is_view:
+                region.kept_bytes += h.nbytes
+            if region._by_storage is not None:
+                index_storage(region, h)
+        elif h.reason is graph.POLICY or h.reason is graph.TAG:
+            h.reason = graph.SILENT_WRITE  # already an alias; ``before_write`` must not copy it
+
+
+# Note [Failed in-place ops]
+# ``before_write`` prepares a region for an in-place op before the op runs: it supersedes
+# the old values of the written tensor and of its view bases, and replaces kept values in
+# the written storage by copies. An op can still raise (``y[0:2].add_(torch.ones(3))``: a
+# shape error), and code may catch that and go on; eager then has nothing changed. So the
+# handles ``before_write`` may touch are noted first (``_write_state``: the view bases of
+# each written handle and every kept value in a written storage; only for ops that write)
+# and restored if the op raises (``_restore``), and nothing is recorded. The storage index
+# is rebuilt at the next write. Without this, a saved tensor of the base raised an error
+# about `.data` in backward.
+_Undo = list[tuple[Handle, bool, Any, int, Any]]
+
+
+def _write_state(
+    region: Region,
+    info: OpInfo,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    h_args: tuple[Any, ...],
+    h_kwargs: dict[str, Any],
+) -> _Undo:
+    """What ``before_write`` may change. See Note [Failed in-place ops]."""
+    touched: dict[int, Handle] = {}
+    by_storage = region._by_storage
+    for w in info.writes:
+        t = arg_at(args, kwargs, w)
+        h = arg_at(h_args, h_kwargs, w)
+        if not isinstance(t, torch.Tensor) or not isinstance(h, Handle):
+            continue
+        touched[id(h)] = h
+        while h.is_view and h.node_index >= 0 and region.nodes[h.node_index].inputs:
+            h = region.nodes[h.node_index].inputs[0]
+            touched[id(h)] = h
+        key = t.untyped_storage().data_ptr()
+        if by_storage is not None:
+            entries: Any = by_storage.get(key, ())
+        else:  # not built yet: the first write of the region (see ``before_write``)
+            entries = [
+                o
+                for o in (*region.inputs, *(o for n in region.nodes for o in n.outputs))
+                if o is not None
+                and o.value is not None
+                and o.offload_device is None
+                and o.value.untyped_storage().data_ptr() == key
+            ]
+        for k in entries:
+            touched[id(k)] = k
+    return [(h, h.superseded, h.value, h.version, h.ref) for h in touched.values()]
+
+
+def _restore(region: Region, undo: _Undo) -> None:
+    """Undo ``before_write`` for an op that raised. See Note [Failed in-place ops]."""
+    for h, superseded, value, version, ref in undo:
+        h.superseded, h.value, h.version, h.ref = superseded, value, version, ref
+    region._by_storage = None
 
 
 # ----------------------------------------------------------------- op nodes
@@ -339,10 +441,14 @@ def decide(
     node.decided_by = by
     node.module_path = region._modules.current_path
     keep = id(decision) in _KEEP_IDS
-    if not keep and overwritten is None:
-        if not node.info.is_random or node.rng is not None:
-            return
-        keep = True  # no generator replay for this device
+    reason = graph.POLICY
+    if node.info.is_random and node.rng is None and overwritten is None:
+        # No generator replay for this device (see Note [RNG replay]): recomputing would
+        # draw other values, so the engine keeps them, whatever the policy or a tag says.
+        keep = True
+        reason = graph.RANDOM_WITHOUT_REPLAY
+    elif not keep and overwritten is None:
+        return
     for o, h in zip(outs, node.outputs, strict=True):
         if h is None:
             continue
@@ -350,7 +456,7 @@ def decide(
             h.keep(region._detached(o), graph.INPLACE_ON_KEPT)
             overwritten.value = None  # superseded: nobody used the old version
         elif keep:
-            region._keep(h, o, graph.POLICY, KEEP.get(decision, False))
+            region._keep(h, o, reason, KEEP.get(decision, False))
         else:
             continue
         if not h.is_view and overwritten is None:

@@ -16,6 +16,7 @@ from typing import Any
 from torch._ops import OpOverload
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ckpt_graph.engine.decisions import PROTOCOL_NAMES
 from ckpt_graph.policies.builtins import Answer, Policy, PolicyLike, _normalise, _resolve, save_ops
 
 __all__ = ["any_save", "first_answer", "from_torch_sac"]
@@ -115,7 +116,8 @@ class from_torch_sac(Policy):
     """Adapt a ``torch.utils.checkpoint`` selective-checkpoint policy or op list.
 
     A SAC policy has the signature ``policy_fn(ctx, op, *args, **kwargs)`` (no ``out``); it
-    gets a context with ``is_recompute=False`` and ``op_output``. An op list means what it
+    gets a context with ``is_recompute=False`` and ``op_output``, and the op's keyword
+    arguments under their own names (``out=`` too; see Note [Policy keyword arguments]). An op list means what it
     means for ``create_selective_checkpoint_contexts``: MUST_SAVE for the listed ops,
     PREFER_RECOMPUTE for the rest (it becomes :class:`save_ops`; packets are accepted too).
 
@@ -151,6 +153,12 @@ class from_torch_sac(Policy):
         if self._ops is not None:
             return self._ops(ctx, out, op)
         assert self._fn is not None
+        if "out_" in kwargs or "ctx_" in kwargs or "op_" in kwargs:
+            # See Note [Policy keyword arguments]: torch's signature has no ``out``.
+            kwargs = {
+                (k[:-1] if k.endswith("_") and k[:-1] in PROTOCOL_NAMES else k): v
+                for k, v in kwargs.items()
+            }
         return self._fn(_TorchSACContext(out), op, *args, **kwargs)
 
     def _repr_args(self) -> str:

@@ -1,0 +1,400 @@
+"""Defects found by PyTorch's own checkpoint tests and an adversarial suite (issue 14).
+
+Every test compares gradients bitwise with a run without checkpointing, or matches the
+error by message. Each one failed before its fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
+
+import ckpt_graph as cg
+from ckpt_graph import policies
+
+
+def _grads(
+    fn: Callable[[], torch.Tensor], params: list[torch.Tensor], seed: int = 0
+) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    fn().backward()
+    grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def _assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------ item 5: out= and policies
+
+
+def _answer_none(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _keep_out_kwarg(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+    # The op's out= tensor arrives as out_ (see Note [Policy keyword arguments]); the op's
+    # result is the positional ``out``, which aliases it.
+    return "out_" in kwargs and kwargs["out_"] is out
+
+
+def _sac_mm(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    # torch's SAC convention: the out= tensor under its own name.
+    assert "out_" not in kwargs
+    if op is torch.ops.aten.mv.out:
+        assert isinstance(kwargs["out"], torch.Tensor)
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+SPECTRAL_POLICIES: list[Any] = [
+    "recompute_all",
+    "must_save_all",
+    _answer_none,
+    _keep_out_kwarg,
+    lambda ctx, out, op, *args, **kwargs: False,
+    policies.save_matmuls(),
+    policies.from_torch_sac(_sac_mm),
+    policies.memory_budget(0.5),
+]
+
+
+@pytest.mark.filterwarnings("ignore:ckpt_graph. memory_budget")
+@pytest.mark.parametrize("policy", SPECTRAL_POLICIES)
+def test_spectral_norm_out_kwarg_reaches_policies(policy: Any) -> None:
+    torch.manual_seed(0)
+    lin = nn.utils.spectral_norm(nn.Linear(6, 5))
+    x = torch.randn(3, 6, requires_grad=True)
+    params = [x, *lin.parameters()]
+    u0 = lin.weight_u.clone()
+
+    def step(region: bool) -> torch.Tensor:
+        lin.weight_u.copy_(u0)  # the power iteration writes u and v with out=
+        if not region:
+            return lin(x).tanh().sum()
+        with cg.save_recompute_policy(policy):
+            return lin(x).tanh().sum()
+
+    want = _grads(lambda: step(False), params)
+    u_want = lin.weight_u.clone()
+    _assert_same(_grads(lambda: step(True), params), want)
+    torch.testing.assert_close(lin.weight_u, u_want, rtol=0, atol=0)
+
+
+def test_policy_sees_out_kwarg_renamed() -> None:
+    seen: list[tuple[Any, dict[str, Any]]] = []
+
+    def policy(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> None:
+        seen.append((op, kwargs))
+
+    a, v, u = torch.randn(3, 4), torch.randn(4), torch.empty(3)
+    with cg.save_recompute_policy(policy):
+        torch.mv(a, v, out=u)
+    (op, kwargs), *_ = [s for s in seen if s[0] is torch.ops.aten.mv.out]
+    assert set(kwargs) == {"out_"} and kwargs["out_"] is u
+
+
+def test_only_out_collides_with_policy_parameters() -> None:
+    # Note [Policy keyword arguments] says only ``out`` among aten keyword-only arguments.
+    from ckpt_graph.policies._core import PROTOCOL_NAMES
+
+    names = {
+        a.name
+        for s in torch._C._jit_get_all_schemas()
+        for a in s.arguments
+        if a.kwarg_only and a.name in PROTOCOL_NAMES
+    }
+    assert names == {"out"}
+
+
+# ------------------------------------------------------------ item 19: random ops kept by the engine
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", "must_save_all"])
+def test_random_op_without_replay_is_kept_whatever_the_tag(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Simulate a device whose generator the engine cannot replay.
+    import ckpt_graph.record
+
+    monkeypatch.setattr(ckpt_graph.record, "capture_rng", lambda args, kwargs: None)
+    x = torch.randn(6, requires_grad=True)
+
+    def fwd() -> tuple[torch.Tensor, torch.Tensor]:
+        r = torch.bernoulli(torch.full_like(x, 0.5))
+        return (x * r).sin().sum(), r
+
+    torch.manual_seed(0)
+    y, r_want = fwd()
+    y.backward()
+    want = [x.grad.clone()]
+    x.grad = None
+    torch.manual_seed(0)
+    with cg.save_recompute_policy(policy) as region:
+        y, r = fwd()
+        cg.tag_with_policy(r, False)
+    torch.testing.assert_close(r, r_want, rtol=0, atol=0)
+    (h,) = [n.outputs[0] for n in region.nodes if n.info.name == "aten.bernoulli.default"]
+    assert h is not None and h.reason == "engine: random op on a device without generator replay"
+    torch.manual_seed(1)  # a recompute would now draw other values
+    y.backward()
+    _assert_same([x.grad], want)
+
+
+# ------------------------------------------------------------ item 8: a failed in-place op
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", "must_save_all", policies.save_matmuls()])
+@pytest.mark.parametrize("first_write", [True, False])
+def test_failed_inplace_op_changes_nothing(policy: Any, first_write: bool) -> None:
+    x = torch.randn(4, 4, requires_grad=True)
+
+    def fwd() -> torch.Tensor:
+        y = x * 2
+        if not first_write:  # the storage index exists before the failing write
+            w = (x + 1).mul_(2)
+        else:
+            w = x + 0
+        z = (y @ y).sin()  # saves y
+        with pytest.raises(RuntimeError, match="must match the size"):
+            y[0:2].add_(torch.ones(3))
+        with pytest.raises(RuntimeError, match="must match the size"):
+            y.mul_(torch.ones(3))
+        return (z * w).sum() + y.tanh().sum()
+
+    want = _grads(fwd, [x])
+    with cg.save_recompute_policy(policy):
+        got = _grads(fwd, [x])
+    _assert_same(got, want)
+
+
+def test_failed_inplace_op_then_real_write_still_raises() -> None:
+    # After the undo, a successful write of the saved value still raises as eager does.
+    x = torch.randn(4, requires_grad=True)
+    with cg.save_recompute_policy("must_save_all"):
+        y = x * 2
+        z = y.sin()  # saves y
+        with pytest.raises(RuntimeError, match="must match the size"):
+            y[0:2].add_(torch.ones(3))
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+
+
+# ------------------------------------------------------------ item 10: reading a saved tensor twice
+
+
+class _ReadTwice(torch.autograd.Function):
+    """``a * b`` whose backward reads ``ctx.saved_tensors`` twice."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, _ = ctx.saved_tensors
+        _, b = ctx.saved_tensors
+        a2, b2 = ctx.saved_tensors
+        return g * b2 * (a2 is not None), g * a
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", "must_save_all", policies.save_matmuls()])
+@pytest.mark.parametrize("retain", [False, True])
+def test_custom_function_reads_saved_tensors_twice(policy: Any, retain: bool) -> None:
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def fwd() -> torch.Tensor:
+        h = (x @ w).sin()
+        d = torch.nn.functional.dropout(h, 0.5) + 1
+        return (_ReadTwice.apply(h.exp(), d) @ w).tanh().sum()
+
+    want = _grads(fwd, [x, w])
+    torch.manual_seed(0)
+    with cg.save_recompute_policy(policy):
+        y = fwd()
+    y.backward(retain_graph=retain)
+    got = [x.grad.clone(), w.grad.clone()]
+    _assert_same(got, want)
+    if retain:  # a second pass reads twice again
+        x.grad = w.grad = None
+        y.backward()
+        _assert_same([x.grad, w.grad], want)
+
+
+def test_hook_reads_saved_self_before_the_node_runs() -> None:
+    x = torch.randn(5, requires_grad=True)
+    seen: list[torch.Tensor] = []
+
+    def fwd() -> torch.Tensor:
+        y = x.sin()
+        z = y * x.cos()
+        grad_fn = z.grad_fn
+        assert grad_fn is not None
+        z.register_hook(lambda g: seen.append(grad_fn._saved_self))  # type: ignore[attr-defined]
+        return z.exp().sum()
+
+    want = _grads(fwd, [x])
+    with cg.save_recompute_policy("recompute_all"):
+        y = fwd()
+    y.backward()
+    _assert_same([x.grad], want)
+    torch.testing.assert_close(seen[-1], x.detach().sin(), rtol=0, atol=0)
+
+
+def test_value_read_twice_is_freed() -> None:
+    import gc
+    import weakref
+
+    from models import LIVE_OUTPUTS, counted
+
+    def run_once() -> list[weakref.ref[Any]]:
+        x = torch.randn(3, 4, requires_grad=True)
+        with cg.save_recompute_policy("recompute_all"):
+            h = counted(x * 2)
+            refs = [weakref.ref(h), weakref.ref(h.untyped_storage())]
+            y = _ReadTwice.apply(h, x.cos()).sum()
+        del h
+        y.backward()
+        return refs
+
+    run_once()  # the first run finishes lazy imports (see tests/test_lifetime.py)
+    gc.collect()
+    LIVE_OUTPUTS.clear()
+    gc.disable()
+    try:
+        refs = run_once()
+        assert not [r for r in refs if r() is not None], "forward value alive"
+        # forward, first read; the two further reads recompute (nothing held between reads)
+        assert len(LIVE_OUTPUTS) == 4
+        assert not [r for r in LIVE_OUTPUTS if r() is not None], "recomputed value alive"
+    finally:
+        gc.enable()
+
+
+# ------------------------------------------------------------ item 11: region inputs keep identity
+
+
+class _MaskedLinear(torch.autograd.Function):
+    """``(a @ w) * m``; backward checks which saved tensors are the original objects."""
+
+    identity: list[tuple[bool, bool]] = []
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, w: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, w, m)
+        ctx.w, ctx.m = w, m  # the objects, for the identity check in backward
+        return (a @ w) * m
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        a, w, m = ctx.saved_tensors
+        _MaskedLinear.identity.append((w is ctx.w, m is ctx.m))
+        gm = g * m
+        return gm @ w.t(), a.t() @ gm, None
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", "must_save_all"])
+def test_saved_region_input_is_the_original_object(policy: str) -> None:
+    x = torch.randn(2, 3, requires_grad=True)
+    w = torch.randn(3, 4, requires_grad=True)
+    mask = torch.bernoulli(torch.full((4,), 0.5))
+
+    def fwd() -> torch.Tensor:
+        return _MaskedLinear.apply(x.sin(), w, mask).sum()
+
+    _MaskedLinear.identity.clear()
+    want = _grads(fwd, [x, w])
+    with cg.save_recompute_policy(policy):
+        y = fwd()
+    y.backward()
+    _assert_same([x.grad, w.grad], want)
+    (_, eager_mask), (_, region_mask) = _MaskedLinear.identity
+    assert eager_mask and region_mask
+
+
+class _MainGradLinear(torch.autograd.Function):
+    """Megatron's pattern: backward accumulates the weight gradient into ``main_grad``."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, w)
+        return a @ w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        a, w = ctx.saved_tensors
+        w.main_grad.add_(a.t() @ g)
+        return g @ w.t(), None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 14 item 11: autograd re-wraps what an unpack hook returns for a tensor that "
+    "requires grad, so a saved parameter loses its identity and main_grad (torch's "
+    "non-reentrant checkpoint too); see Note [Region inputs keep their identity]",
+)
+def test_saved_parameter_keeps_identity_for_main_grad() -> None:
+    w = nn.Parameter(torch.randn(3, 4))
+    w.main_grad = torch.zeros(3, 4)  # type: ignore[attr-defined]
+    x = torch.randn(2, 3, requires_grad=True)
+    with cg.save_recompute_policy("recompute_all"):
+        y = _MainGradLinear.apply(x.sin(), w).sum()
+    y.backward()
+    torch.testing.assert_close(w.main_grad, x.detach().sin().t() @ torch.ones(2, 4))  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------ item 6: RReLU in training mode
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", "must_save_all", policies.save_matmuls()])
+@pytest.mark.parametrize("retain", [False, True])
+def test_rrelu_training_gradients(policy: Any, retain: bool) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    act = nn.RReLU().train()
+    x = torch.randn(4, 8, requires_grad=True)
+    params = [x, *lin.parameters()]
+
+    def fwd() -> torch.Tensor:
+        h = act(lin(x) * 2)
+        return (act(h.sin()) * h).sum()
+
+    want = _grads(fwd, params, seed=3)
+    torch.manual_seed(3)
+    with cg.save_recompute_policy(policy):
+        y = fwd()
+    torch.manual_seed(4)  # replay must not depend on the stream's position
+    y.backward(retain_graph=retain)
+    _assert_same([p.grad for p in params], want)  # type: ignore[misc]
+    if retain:
+        for p in params:
+            p.grad = None
+        y.backward()
+        _assert_same([p.grad for p in params], want)  # type: ignore[misc]
+
+
+def test_rrelu_noise_write_bumps_no_version() -> None:
+    # graph._UNVERSIONED_WRITES relies on it: eager's backward reads the noise written by
+    # the op through a saved tensor taken before the op (see Note [Silent writes]).
+    seen: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.append(t)
+        return t
+
+    x = torch.randn(8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        nn.functional.rrelu(x * 1, training=True)
+    assert [t._version for t in seen] == [0, 0]
+    assert torch.ops.aten.rrelu_with_noise.default._schema.arguments[1].alias_info.is_write
