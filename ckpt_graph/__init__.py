@@ -7,7 +7,7 @@ rest on demand in backward, with gradients identical to a run without checkpoint
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import memory, policies
-from ._errors import CkptGraphError
+from ._errors import CkptGraphError, CkptGraphImportError, CkptGraphTypeError, CkptGraphValueError
 from .api import checkpoint, save_recompute_policy, tag_with_policy
 from .memory import MemoryReport, measure
 from .region import Region
@@ -16,6 +16,9 @@ from .wrap import unwrap, wrap
 __all__ = [
     "CheckpointPolicy",
     "CkptGraphError",
+    "CkptGraphImportError",
+    "CkptGraphTypeError",
+    "CkptGraphValueError",
     "MemoryReport",
     "Region",
     "checkpoint",
