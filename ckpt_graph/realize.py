@@ -84,7 +84,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._debug import check_replay
+from ._debug import check_kept, check_replay
 from ._errors import CkptGraphError
 from .graph import Handle, arg_at, version_of
 
@@ -169,6 +169,8 @@ def _kept_value(region: Region, h: Handle) -> torch.Tensor:
     _check_version(region, h)
     if h.offload_device is not None:
         return v.to(h.offload_device, non_blocking=True)
+    if region.debug:
+        check_kept(region, h, v)  # See Note [Kept value checks].
     return v
 
 
