@@ -7,7 +7,12 @@ rest on demand in backward, with gradients identical to a run without checkpoint
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph import memory, policies
-from ckpt_graph._errors import CkptGraphError
+from ckpt_graph._errors import (
+    CkptGraphError,
+    CkptGraphImportError,
+    CkptGraphTypeError,
+    CkptGraphValueError,
+)
 from ckpt_graph.engine.api import checkpoint, save_recompute_policy, tag_with_policy
 from ckpt_graph.engine.region import Region
 from ckpt_graph.integrations.wrap import unwrap, wrap
@@ -16,6 +21,9 @@ from ckpt_graph.memory import MemoryReport, measure
 __all__ = [
     "CheckpointPolicy",
     "CkptGraphError",
+    "CkptGraphImportError",
+    "CkptGraphTypeError",
+    "CkptGraphValueError",
     "MemoryReport",
     "Region",
     "checkpoint",

@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ckpt_graph._errors import CkptGraphError
+from ckpt_graph._errors import CkptGraphError, CkptGraphImportError, CkptGraphValueError
 
 __all__ = ["MemoryPoint", "MemoryReport", "measure", "measure_with_result"]
 
@@ -150,7 +150,7 @@ class MemoryReport:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
         except ImportError as e:
-            raise ImportError(
+            raise CkptGraphImportError(
                 "ckpt_graph: MemoryReport.plot needs matplotlib; "
                 "install it with `pip install ckpt_graph[viz]`"
             ) from e
@@ -227,9 +227,14 @@ def measure_with_result(
         >>> out.shape, r.end_bytes
         (torch.Size([256]), 256)
     """
-    dev = torch.device(device)
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"measure: device must be 'cpu' or a CUDA device, got {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise CkptGraphValueError(
+            f"ckpt_graph: measure: device must be 'cpu' or a CUDA device, got {device!r}"
+        )
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CkptGraphError(
             f"ckpt_graph: measure(device={str(dev)!r}) needs CUDA, which is not available; "

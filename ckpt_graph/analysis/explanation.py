@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
 from ckpt_graph.analysis.values import (
     decided_by,
     describe,
@@ -156,11 +157,13 @@ def explain(region: Region, tensor: torch.Tensor) -> Explanation:
         >>> print(region.explain(h))  # doctest: +SKIP
     """
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"explain() needs a torch.Tensor, got {type(tensor).__name__}")
+        raise CkptGraphTypeError(
+            f"ckpt_graph: explain() needs a torch.Tensor, got {type(tensor).__name__}"
+        )
     h = region.lookup(tensor)
     if h is None:
         shape = "x".join(str(s) for s in tensor.shape) or "scalar"
-        raise ValueError(
+        raise CkptGraphValueError(
             f"ckpt_graph: explain(): this tensor [{shape} {tensor.dtype}] was never seen in the "
             "region (no recorded op read or produced it); pass a tensor computed or used inside "
             "the `with save_recompute_policy(...)` block"

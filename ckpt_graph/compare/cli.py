@@ -19,6 +19,7 @@ from typing import NoReturn, TextIO
 
 import torch
 
+from ckpt_graph._errors import CkptGraphValueError
 from ckpt_graph.compare.output import format_table, have_matplotlib, plot, write_json
 from ckpt_graph.compare.runner import DEFAULT_STRATEGIES, STRATEGIES, run_comparison
 from ckpt_graph.compare.zoo import DEFAULTS, MODELS, WorkloadError, estimate_bytes
@@ -31,8 +32,12 @@ _DTYPES = {
 }
 
 
-class UsageError(Exception):
-    """Bad command-line input: reported as one line on stderr with exit code 2."""
+class UsageError(CkptGraphValueError):
+    """Bad command-line input: reported as one line on stderr with exit code 2.
+
+    Always caught by :func:`main`; a ``CkptGraphError`` like every user error (see Note
+    [Error types]).
+    """
 
 
 class _Parser(argparse.ArgumentParser):

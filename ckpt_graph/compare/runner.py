@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from ckpt_graph._errors import CkptGraphValueError
 from ckpt_graph.compare.strategies import (
     DEFAULT_STRATEGIES,
     STRATEGIES,
@@ -183,11 +184,13 @@ def run_comparison(
     names = ["none", *(s for s in dict.fromkeys(strategies) if s != "none")]
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown:
-        raise ValueError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+        raise CkptGraphValueError(
+            f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}"
+        )
     if repeat < 1:
-        raise ValueError(f"--repeat must be at least 1, got {repeat}")
+        raise CkptGraphValueError(f"--repeat must be at least 1, got {repeat}")
     if threads is not None and threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {threads}")
+        raise CkptGraphValueError(f"--threads must be at least 1, got {threads}")
     saved_threads = torch.get_num_threads()
     try:
         if threads is not None:

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from ckpt_graph._errors import CkptGraphValueError
 from ckpt_graph.compare.zoo import Workload
 
 __all__ = ["DEFAULT_STRATEGIES", "STRATEGIES", "StrategySkipped", "make_forward"]
@@ -236,7 +237,7 @@ def make_forward(name: str, w: Workload) -> _Forward:
 
         _POLICIES[one_region] = policy
         return one_region
-    raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+    raise CkptGraphValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
 
 
 # The policy object behind a one-region forward, for its report (e.g. memory_budget's plan).

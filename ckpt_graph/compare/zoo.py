@@ -22,11 +22,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ckpt_graph._errors import CkptGraphValueError
+
 MODELS = ("gpt", "mlp", "cnn", "hf-gpt2", "hf-llama")
 
 
-class WorkloadError(ValueError):
-    """A workload cannot be built from the given sizes (bad size, missing package)."""
+class WorkloadError(CkptGraphValueError):
+    """A workload cannot be built from the given sizes (bad size, missing package).
+
+    A ``ValueError`` and a ``CkptGraphError``; the CLI prints its message after its own
+    prefix. See Note [Error types].
+    """
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ckpt_graph._errors import CkptGraphError
+from ckpt_graph._errors import CkptGraphError, CkptGraphTypeError
 from ckpt_graph.engine.decisions import normalize_policy
 from ckpt_graph.engine.region import Region, current_region
 
@@ -47,7 +47,9 @@ class save_recompute_policy:
         policy: ``"recompute_all"`` (default), ``"must_save_all"``, or a callable
             ``policy(ctx, out, op, *args, **kwargs) -> CheckpointPolicy | bool | None``.
         debug: check each recomputed value against the forward's and name the first op
-            that diverged (only honoured by the block that opens the region).
+            that diverged, and each kept value (parameters included) against its value at
+            region exit, which catches writes through ``.data`` (see Note [Kept value
+            checks]). Only honoured by the block that opens the region.
 
     Example:
         >>> with ckpt_graph.save_recompute_policy("recompute_all"):
@@ -64,7 +66,9 @@ class save_recompute_policy:
 
     def __enter__(self) -> Region:
         if self._region is not None:
-            raise RuntimeError("ckpt_graph: a save_recompute_policy block cannot be entered twice")
+            raise CkptGraphError(
+                "ckpt_graph: a save_recompute_policy block cannot be entered twice"
+            )
         region = current_region()
         if region is None:
             region = Region(debug=self._debug)
@@ -116,6 +120,8 @@ def tag_with_policy(tensor: torch.Tensor, policy: CheckpointPolicy | bool) -> to
     tags the view's value). A region input is always kept. Returns ``tensor``.
 
     Raises:
+        CkptGraphTypeError: ``tensor`` is not a tensor, or ``policy`` neither a
+            ``CheckpointPolicy`` nor a bool (also a ``TypeError``).
         CkptGraphError: outside a ``save_recompute_policy`` block.
 
     Example:
@@ -123,6 +129,16 @@ def tag_with_policy(tensor: torch.Tensor, policy: CheckpointPolicy | bool) -> to
         ...     h = block(x)
         ...     ckpt_graph.tag_with_policy(h, True)  # keep the block output
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise CkptGraphTypeError(
+            f"ckpt_graph: tag_with_policy(tensor, policy) needs a torch.Tensor as `tensor`, got "
+            f"{type(tensor).__name__}; pass the tensor whose value to keep or recompute"
+        )
+    if not isinstance(policy, (bool, CheckpointPolicy)):
+        raise CkptGraphTypeError(
+            "ckpt_graph: tag_with_policy(tensor, policy) needs a CheckpointPolicy or a bool as "
+            f"`policy`, got {type(policy).__name__}"
+        )
     region = current_region()
     if region is None or not region._recording:
         raise CkptGraphError(

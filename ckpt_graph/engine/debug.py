@@ -9,6 +9,18 @@
 # forward called it. Outputs of ops that leave memory uninitialised (``empty*``) are not
 # checked. This catches recomputation that diverged from the forward: a kept input changed
 # behind the engine's back, nondeterministic kernels, data-dependent branches in custom ops.
+#
+# Note [Kept value checks]
+# A write through ``.data`` (``w.data.mul_(2)`` between forward and backward) changes a
+# kept value's storage without bumping the version counter the engine compares (see
+# ``realize._check_version``), so recomputation silently uses the new values where eager
+# would have used the forward's (torch.utils.checkpoint has the same blind spot). With
+# ``debug=True`` the region takes the checksum of every value it still keeps (region
+# inputs such as parameters, values kept by policy or tag) when it exits, and compares it
+# each time backward reads that kept value, before any op uses it. A difference while the
+# version is unchanged can only come from an alias with a version counter of its own, so
+# the error names ``.data``, the value and the fix. Values kept in host memory (offload)
+# are copies, untouched by such writes, and are not checked.
 """
 
 from __future__ import annotations
@@ -21,9 +33,10 @@ import torch
 from ckpt_graph._errors import CkptGraphError
 
 if TYPE_CHECKING:
-    from ckpt_graph.engine.graph import OpNode
+    from ckpt_graph.engine.graph import Handle, OpNode
+    from ckpt_graph.engine.region import Region
 
-__all__ = ["check_replay", "checksums"]
+__all__ = ["check_kept", "check_replay", "checksums", "kept_checksums"]
 
 _UNINITIALISED = frozenset(
     {
@@ -47,6 +60,43 @@ def _checksum(t: Any) -> tuple[float, float, float] | None:
 def checksums(outs: Sequence[Any]) -> tuple[tuple[float, float, float] | None, ...]:
     """Checksums of an op's outputs (``None`` for non-tensors)."""
     return tuple(_checksum(o) for o in outs)
+
+
+def kept_checksums(region: Region) -> dict[Handle, tuple[float, float, float]]:
+    """Checksums of the values ``region`` keeps, at its exit. See Note [Kept value checks]."""
+    sums: dict[Handle, tuple[float, float, float]] = {}
+    handles = list(region.inputs)
+    handles += [o for node in region.nodes for o in node.outputs if o is not None]
+    for h in handles:
+        if h.value is not None and h.offload_device is None:
+            c = _checksum(h.value)
+            if c is not None:
+                sums[h] = c
+    return sums
+
+
+def check_kept(region: Region, h: Handle, value: torch.Tensor) -> None:
+    """Raise if a kept value changed since the region exited. See Note [Kept value checks]."""
+    expected = region._kept_sums.get(h)
+    if expected is None:
+        return
+    got = _checksum(value)
+    if got is None or got == expected:
+        return
+    if h.node_index < 0:
+        t = h.ref() if h.ref is not None else None
+        kind = "a parameter" if isinstance(t, torch.nn.Parameter) else "a tensor"
+        what = f"{kind} used by the region (region input #{h.index})"
+    else:
+        what = f"output {h.index} of op #{h.node_index} {region.nodes[h.node_index].info.name}"
+    raise CkptGraphError(
+        f"ckpt_graph: debug check failed: {what} [{h.dtype} {list(h.shape)}] was modified "
+        "after the region's forward without a version change (checksum "
+        f"{got} vs {expected}), which only a write through `.data` (or another alias with a "
+        "version counter of its own) does. Backward would recompute with the new values and "
+        "give gradients different from eager. Modify it after backward (as optimizers do), "
+        "or write to the tensor itself under torch.no_grad(), which the version check reports."
+    )
 
 
 def check_replay(node: OpNode, outs: Sequence[Any]) -> None:

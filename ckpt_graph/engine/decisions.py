@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ckpt_graph._errors import CkptGraphError
+from ckpt_graph._errors import CkptGraphError, CkptGraphTypeError, CkptGraphValueError
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpInfo
@@ -90,13 +90,13 @@ def normalize_policy(policy: Any) -> PolicyFn:
             return POLICY_NAMES[policy]
         except KeyError:
             names = ", ".join(repr(n) for n in POLICY_NAMES)
-            raise ValueError(
+            raise CkptGraphValueError(
                 f"ckpt_graph: unknown policy {policy!r}; valid names are {names}, or pass a "
                 "callable policy(ctx, out, op, *args, **kwargs) -> CheckpointPolicy | bool | None"
             ) from None
     if callable(policy):
         return policy  # type: ignore[no-any-return]
-    raise TypeError(
+    raise CkptGraphTypeError(
         f"ckpt_graph: a policy must be a name or a callable "
         f"policy(ctx, out, op, *args, **kwargs), got {type(policy).__name__}"
     )
@@ -120,7 +120,7 @@ def to_decision(answer: Any, policy: PolicyFn, op_name: str) -> CheckpointPolicy
         return CheckpointPolicy.PREFER_RECOMPUTE
     if isinstance(answer, CheckpointPolicy):
         return answer
-    raise TypeError(
+    raise CkptGraphTypeError(
         f"ckpt_graph: policy {policy_name(policy)} returned {answer!r} for op {op_name}; a policy "
         "must return a torch.utils.checkpoint.CheckpointPolicy, a bool, or None to abstain"
     )

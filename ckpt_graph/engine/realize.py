@@ -87,8 +87,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckpt_graph._errors import CkptGraphError
-from ckpt_graph.engine.debug import check_replay
-from ckpt_graph.engine.graph import INPUT, Handle, arg_at, version_of
+from ckpt_graph.engine.debug import check_kept, check_replay
+from ckpt_graph.engine.graph import Handle, arg_at, version_of
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
@@ -171,6 +171,8 @@ def _kept_value(region: Region, h: Handle) -> torch.Tensor:
     _check_version(region, h)
     if h.offload_device is not None:
         return v.to(h.offload_device, non_blocking=True)
+    if region.debug:
+        check_kept(region, h, v)  # See Note [Kept value checks].
     return v
 
 

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ckpt_graph._errors import CkptGraphError
+from ckpt_graph._errors import CkptGraphError, CkptGraphTypeError
 from ckpt_graph.engine import graph
 from ckpt_graph.engine import modules as _modules
+from ckpt_graph.engine.debug import kept_checksums
 from ckpt_graph.engine.decisions import POLICY_NAMES, PolicyContext, PolicyFn, resolve
 from ckpt_graph.engine.decisions import to_decision as _to_decision
 from ckpt_graph.engine.graph import Handle, OpNode, version_of
@@ -46,7 +47,8 @@ class Region:
         saved: every tensor autograd saved in the region, in order, as ``(number of op
             nodes recorded before the save, handle)``; backward unpacks roughly in reverse.
         kept_bytes: bytes of the values kept by policy, tags or the engine (inputs excluded).
-        debug: whether recomputed values are checked against the forward (checksums).
+        debug: whether recomputed values are checked against the forward, and kept values
+            against their value at region exit (checksums; see Note [Kept value checks]).
 
     Invariants:
         Nothing outside refers to a region except the packed saved tensors autograd holds
@@ -86,6 +88,7 @@ class Region:
         self._exits: list[Any] = []
         self._hook_fns: tuple[Any, Any] | None = None  # while open: refers to the region
         self._pass = PassState()
+        self._kept_sums: dict[Handle, tuple[float, float, float]] = {}  # when debug
 
     # ----------------------------------------------------------------- lifecycle
     def _open_region(self) -> None:
@@ -139,6 +142,8 @@ class Region:
             self._release()
         else:
             count_live_uses(self)
+            if self.debug:
+                self._kept_sums = kept_checksums(self)  # See Note [Kept value checks].
 
     def _release(self) -> None:
         """Drop every tensor value the region holds (metadata stays for introspection)."""
@@ -278,12 +283,22 @@ class Region:
             self._recording = recording
 
     # ----------------------------------------------------------------- policies
+    # Note [Failed policy push]
+    # A policy's ``on_region_enter`` may raise (a bad argument, a budget that cannot be
+    # planned). The block that pushed it then never runs, so nothing it pushed may stay: the
+    # policy is taken off the stack again before the error propagates, and later ops of an
+    # enclosing block are decided as if the failed block had never been entered.
     def _push(self, policy: PolicyFn) -> None:
         self._policies.append(policy)
         self._update_constant()
         hook = getattr(policy, "on_region_enter", None)
         if hook is not None:
-            hook(self)
+            try:
+                hook(self)
+            except BaseException:  # See Note [Failed policy push].
+                self._policies.pop()
+                self._update_constant()
+                raise
 
     def _pop(self) -> None:
         policy = self._policies.pop()
@@ -311,7 +326,7 @@ class Region:
 
         decision = _to_decision(policy, tag_with_policy, "tag_with_policy")
         if decision is None:
-            raise TypeError(
+            raise CkptGraphTypeError(
                 "ckpt_graph: tag_with_policy needs a CheckpointPolicy or a bool, got None"
             )
         h = self.handle_of(t)

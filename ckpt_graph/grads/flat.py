@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from ckpt_graph._errors import CkptGraphError
+from ckpt_graph._errors import CkptGraphError, CkptGraphTypeError, CkptGraphValueError
 from ckpt_graph.grads.layout import _ALIGN_BYTES, _collect, _Slot, _slot_stride, _State
 
 __all__ = ["FlatGrads"]
@@ -130,8 +130,8 @@ class FlatGrads:
         if dtype is not None:
             for name, p in named:
                 if p.dtype != dtype:
-                    raise TypeError(
-                        f"FlatGrads: {name} has dtype {p.dtype}, not {dtype}; autograd requires "
+                    raise CkptGraphTypeError(
+                        f"ckpt_graph: FlatGrads: {name} has dtype {p.dtype}, not {dtype}; autograd requires "
                         "a .grad of the parameter's own dtype, so pass only parameters of that "
                         "dtype (e.g. [p for p in model.parameters() if p.dtype == dtype])"
                     )
@@ -184,8 +184,8 @@ class FlatGrads:
             if t == dtype and d.type == dev.type and dev.index in (None, d.index)
         ]
         if len(found) != 1:
-            raise ValueError(
-                f"FlatGrads has {len(found) or 'no'} buffers for {dev} / {dtype}; it has "
+            raise CkptGraphValueError(
+                f"ckpt_graph: FlatGrads has {len(found) or 'no'} buffers for {dev} / {dtype}; it has "
                 f"{[(str(d), t) for d, t in self._buffers]}"
             )
         return found[0]
@@ -302,8 +302,8 @@ class FlatGrads:
     def _slot(self, param: torch.Tensor) -> _Slot:
         slot = self._by_param.get(id(param))
         if slot is None or slot.param is not param:
-            raise ValueError(
-                f"FlatGrads does not manage this tensor (shape {tuple(param.shape)}); pass it "
+            raise CkptGraphValueError(
+                f"ckpt_graph: FlatGrads does not manage this tensor (shape {tuple(param.shape)}); pass it "
                 "to FlatGrads(...) first"
             )
         return slot

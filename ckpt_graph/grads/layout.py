@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
+
 __all__: list[str] = []
 
 
@@ -68,8 +70,8 @@ def _collect(
     if isinstance(params_or_module, nn.Module):
         named: list[tuple[str, torch.Tensor]] = list(params_or_module.named_parameters())
     elif isinstance(params_or_module, torch.Tensor):
-        raise TypeError(
-            "FlatGrads expects a module or an iterable of parameters, got a single tensor; "
+        raise CkptGraphTypeError(
+            "ckpt_graph: FlatGrads expects a module or an iterable of parameters, got a single tensor; "
             "wrap it in a list"
         )
     else:
@@ -78,10 +80,12 @@ def _collect(
     out: list[tuple[str, torch.Tensor]] = []
     for name, p in named:
         if not isinstance(p, torch.Tensor):
-            raise TypeError(f"FlatGrads: {name} is a {type(p).__name__}, not a tensor")
+            raise CkptGraphTypeError(
+                f"ckpt_graph: FlatGrads: {name} is a {type(p).__name__}, not a tensor"
+            )
         if not p.is_leaf:
-            raise ValueError(
-                f"FlatGrads: {name} is not a leaf tensor; only leaves get a .grad from backward"
+            raise CkptGraphValueError(
+                f"ckpt_graph: FlatGrads: {name} is not a leaf tensor; only leaves get a .grad from backward"
             )
         if id(p) in seen or not p.requires_grad:
             continue

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ckpt_graph._errors import CkptGraphImportError, CkptGraphTypeError, CkptGraphValueError
 from ckpt_graph.engine.api import checkpoint
 
 __all__ = ["HFCheckpointFunction", "disable", "enable", "is_enabled"]
@@ -74,13 +75,13 @@ def _pretrained(model: Any, caller: str) -> Any:
     try:
         import transformers
     except ImportError:
-        raise ImportError(
+        raise CkptGraphImportError(
             f"ckpt_graph: integrations.transformers.{caller}() needs the 'transformers' "
             "package (pip install 'transformers>=4.35'); for any other model use "
             "ckpt_graph.wrap(model)"
         ) from None
     if not isinstance(model, transformers.PreTrainedModel):
-        raise TypeError(
+        raise CkptGraphTypeError(
             f"ckpt_graph: integrations.transformers.{caller}() takes a transformers "
             f"PreTrainedModel, got {type(model).__name__}; use ckpt_graph.wrap(model) instead"
         )
@@ -115,9 +116,9 @@ def enable(model: torch.nn.Module, policy: Any = "recompute_all", every_n_layers
     """
     pretrained = _pretrained(model, "enable")
     if every_n_layers < 1:
-        raise ValueError(f"ckpt_graph: every_n_layers must be >= 1, got {every_n_layers}")
+        raise CkptGraphValueError(f"ckpt_graph: every_n_layers must be >= 1, got {every_n_layers}")
     if not getattr(pretrained, "supports_gradient_checkpointing", False):
-        raise ValueError(
+        raise CkptGraphValueError(
             f"ckpt_graph: {type(model).__name__} does not support gradient checkpointing "
             "(supports_gradient_checkpointing is False); use ckpt_graph.wrap(model) instead"
         )

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
 from ckpt_graph.engine.api import save_recompute_policy
 
 __all__ = ["RegionForward", "is_wrapped", "unwrap", "wrap"]
@@ -136,7 +137,7 @@ def _matcher(match: Match | MatchFn) -> MatchFn:
     if callable(match) and not isinstance(match, type):
         fn: MatchFn = match
         return fn
-    raise TypeError(
+    raise CkptGraphTypeError(
         "ckpt_graph: wrap(match=...) takes a module class (or tuple of classes), a "
         "qualified-name pattern such as 'layers.*', or a predicate (name, module) -> bool; "
         f"got {type(match).__name__}"
@@ -207,11 +208,13 @@ def wrap(
         True
     """
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"ckpt_graph: wrap() takes an nn.Module, got {type(model).__name__}")
+        raise CkptGraphTypeError(
+            f"ckpt_graph: wrap() takes an nn.Module, got {type(model).__name__}"
+        )
     selected = _select(model, match)
     if not selected:
         what = "no nn.ModuleList children" if match is None else f"nothing matched {match!r}"
-        raise ValueError(
+        raise CkptGraphValueError(
             f"ckpt_graph: wrap() found {what} in {type(model).__name__}; pass match= "
             "(a module class, a name pattern such as 'layers.*', or a predicate)"
         )

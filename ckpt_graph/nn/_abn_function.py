@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from ckpt_graph._errors import CkptGraphError
+from ckpt_graph._errors import CkptGraphError, CkptGraphValueError
 
 __all__ = ["ACTIVATIONS", "inplace_abn"]
 
@@ -238,7 +238,7 @@ class _InPlaceABN(torch.autograd.Function):
             invstd = (var + eps).rsqrt()
         else:
             if running_mean is None or running_var is None:
-                raise ValueError("ckpt_graph: InPlaceABN in eval mode needs running stats")
+                raise CkptGraphValueError("ckpt_graph: InPlaceABN in eval mode needs running stats")
             mean = running_mean
             invstd = (running_var + eps).rsqrt()
         scale = invstd if weight is None else invstd * weight

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from ckpt_graph._errors import CkptGraphError
+from ckpt_graph._errors import CkptGraphError, CkptGraphValueError
 from ckpt_graph.nn._abn_function import (
     _BASELINE_STORAGE_REFS,
     ACTIVATIONS,
@@ -33,17 +33,17 @@ M = TypeVar("M", bound=nn.Module)
 
 def _check_activation(activation: str, activation_param: float) -> None:
     if activation not in ACTIVATIONS:
-        raise ValueError(
+        raise CkptGraphValueError(
             f"ckpt_graph: InPlaceABN activation must be one of {ACTIVATIONS}, got {activation!r}"
         )
     if activation == "leaky_relu" and not activation_param > 0:
-        raise ValueError(
+        raise CkptGraphValueError(
             "ckpt_graph: InPlaceABN(activation='leaky_relu') needs a slope activation_param > 0 "
             f"to invert the activation in backward, got {activation_param}. Use a small positive "
             "slope such as 0.01, or keep nn.BatchNorm2d + nn.ReLU for a slope of 0."
         )
     if activation == "elu" and not activation_param > 0:
-        raise ValueError(
+        raise CkptGraphValueError(
             "ckpt_graph: InPlaceABN(activation='elu') needs alpha = activation_param > 0 to "
             f"invert the activation in backward, got {activation_param}."
         )
@@ -163,11 +163,11 @@ class InPlaceABN(_NormBase):
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
-            raise ValueError(
+            raise CkptGraphValueError(
                 f"ckpt_graph: InPlaceABN expects an input of shape (N, C, ...), got {input.dim()}-D"
             )
         if input.shape[1] != self.num_features:
-            raise ValueError(
+            raise CkptGraphValueError(
                 f"ckpt_graph: InPlaceABN({self.num_features}) got an input with "
                 f"{input.shape[1]} channels (shape {tuple(input.shape)})"
             )
@@ -184,7 +184,7 @@ class InPlaceABN(_NormBase):
                 factor = 1.0 / float(self.num_batches_tracked)
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         if use_batch_stats and input.numel() // input.shape[1] <= 1:
-            raise ValueError(
+            raise CkptGraphValueError(
                 "ckpt_graph: InPlaceABN expected more than 1 value per channel when training, "
                 f"got input of shape {tuple(input.shape)}"
             )

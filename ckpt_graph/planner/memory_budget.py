@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
 from ckpt_graph.planner.liveness import from_region, simulate
 from ckpt_graph.planner.solve import KeptTensor, PlanReport, candidate_ops, solve
 
@@ -119,17 +120,17 @@ class MemoryBudget:
 
     def __init__(self, budget: int | float) -> None:
         if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-            raise TypeError(
+            raise CkptGraphTypeError(
                 f"ckpt_graph: memory_budget needs an int (bytes) or a float in (0, 1], got "
                 f"{type(budget).__name__}"
             )
         if isinstance(budget, float) and not 0.0 < budget <= 1.0:
-            raise ValueError(
+            raise CkptGraphValueError(
                 f"ckpt_graph: memory_budget fraction must be in (0, 1], got {budget}; pass an "
                 "int for a budget in bytes"
             )
         if isinstance(budget, int) and budget < 0:
-            raise ValueError(f"ckpt_graph: memory_budget bytes must be >= 0, got {budget}")
+            raise CkptGraphValueError(f"ckpt_graph: memory_budget bytes must be >= 0, got {budget}")
         self.budget = budget
         self._plans: dict[int, _Plan] = {}
         self._runs: dict[int, _Run] = {}

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ckpt_graph._errors import CkptGraphError
+from ckpt_graph._errors import CkptGraphError, CkptGraphValueError
 from ckpt_graph.engine.graph import Handle, arg_at
 from ckpt_graph.memory import measure
 
@@ -80,8 +80,8 @@ def measure_workspaces(region: Region) -> dict[int, Workspace]:
         >>> g = from_region(region, workspaces=ws)  # doctest: +SKIP
     """
     if region._open:
-        raise ValueError(
-            "measure_workspaces: the region is still open; call it after the "
+        raise CkptGraphValueError(
+            "ckpt_graph: measure_workspaces: the region is still open; call it after the "
             "save_recompute_policy block has exited"
         )
     consumed = {id(i) for node in region.nodes for i in node.inputs}

@@ -23,6 +23,8 @@ import torch
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ckpt_graph._errors import CkptGraphTypeError
+
 __all__ = [
     "Answer",
     "Policy",
@@ -121,8 +123,8 @@ def _resolve(policy: PolicyLike, where: str) -> Callable[..., Answer]:
         resolved: Callable[..., Answer] = normalize_policy(policy)
         return resolved
     if not callable(policy):
-        raise TypeError(
-            f"{where}: expected a policy (a callable or 'recompute_all' / 'must_save_all'), "
+        raise CkptGraphTypeError(
+            f"ckpt_graph: {where}: expected a policy (a callable or 'recompute_all' / 'must_save_all'), "
             f"got {policy!r} of type {type(policy).__name__}"
         )
     return policy
@@ -149,8 +151,8 @@ class _OpSet:
             elif isinstance(op, OpOverloadPacket):
                 packets.add(op)
             else:
-                raise TypeError(
-                    f"{where}: expected aten ops such as torch.ops.aten.mm or "
+                raise CkptGraphTypeError(
+                    f"ckpt_graph: {where}: expected aten ops such as torch.ops.aten.mm or "
                     f"torch.ops.aten.mm.default, got {op!r} of type {type(op).__name__}"
                 )
             given.append(op)
@@ -201,7 +203,9 @@ class save_ops(Policy):
     ) -> None:
         self._ops = _OpSet(ops, "save_ops")
         if rest is not None and not isinstance(rest, CheckpointPolicy):
-            raise TypeError(f"save_ops: rest must be a CheckpointPolicy or None, got {rest!r}")
+            raise CkptGraphTypeError(
+                f"ckpt_graph: save_ops: rest must be a CheckpointPolicy or None, got {rest!r}"
+            )
         self._rest = rest
 
     def __call__(self, ctx: Any, out: Any, op: OpOverload, *args: Any, **kwargs: Any) -> Answer:
@@ -345,7 +349,9 @@ class offload(Policy):
 
     def __init__(self, select: Callable[..., bool], *, must: bool = False) -> None:
         if not callable(select):
-            raise TypeError(f"offload: select must be a callable predicate, got {select!r}")
+            raise CkptGraphTypeError(
+                f"ckpt_graph: offload: select must be a callable predicate, got {select!r}"
+            )
         self._select = select
         self._must = must
         self._answer = (

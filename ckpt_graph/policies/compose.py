@@ -16,7 +16,7 @@ from typing import Any
 from torch._ops import OpOverload
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ckpt_graph.engine.decisions import PROTOCOL_NAMES
+from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
 from ckpt_graph.policies.builtins import Answer, Policy, PolicyLike, _normalise, _resolve, save_ops
 
 __all__ = ["any_save", "first_answer", "from_torch_sac"]
@@ -31,7 +31,7 @@ class _Combinator(Policy):
     def __init__(self, *policies: PolicyLike) -> None:
         name = type(self).__name__
         if not policies:
-            raise ValueError(f"{name}: needs at least one policy")
+            raise CkptGraphValueError(f"ckpt_graph: {name}: needs at least one policy")
         self._given = policies
         self._policies = tuple(_resolve(p, name) for p in policies)
 
@@ -144,8 +144,8 @@ class from_torch_sac(Policy):
         elif callable(policy_fn_or_op_list):
             self._fn = policy_fn_or_op_list
         else:
-            raise TypeError(
-                "from_torch_sac: expected a SAC policy function (ctx, op, *args, **kwargs) or a "
+            raise CkptGraphTypeError(
+                "ckpt_graph: from_torch_sac: expected a SAC policy function (ctx, op, *args, **kwargs) or a "
                 f"list of aten ops, got {policy_fn_or_op_list!r}"
             )
 

@@ -18,6 +18,7 @@ from torch.utils import _pytree
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.hooks import RemovableHandle
 
+from ckpt_graph._errors import CkptGraphTypeError
 from ckpt_graph.policies.builtins import Answer, Policy
 
 __all__ = ["ModuleMatch", "save_module_outputs"]
@@ -67,13 +68,15 @@ def _compile(match: ModuleMatch) -> tuple[Callable[[str, nn.Module], bool], str]
     """Return (predicate on (qualified_name, module), text for the repr)."""
     if isinstance(match, type):
         if not issubclass(match, nn.Module):
-            raise TypeError(f"save_module_outputs: {match.__name__} is not an nn.Module subclass")
+            raise CkptGraphTypeError(
+                f"ckpt_graph: save_module_outputs: {match.__name__} is not an nn.Module subclass"
+            )
         cls = match
         return (lambda name, module: isinstance(module, cls)), match.__name__
     if isinstance(match, tuple):
         if not match or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in match):
-            raise TypeError(
-                f"save_module_outputs: a tuple must hold nn.Module subclasses, got {match!r}"
+            raise CkptGraphTypeError(
+                f"ckpt_graph: save_module_outputs: a tuple must hold nn.Module subclasses, got {match!r}"
             )
         classes = match
         text = (
@@ -93,8 +96,8 @@ def _compile(match: ModuleMatch) -> tuple[Callable[[str, nn.Module], bool], str]
         return by_name, repr(match)
     if callable(match):
         return match, getattr(match, "__qualname__", None) or repr(match)
-    raise TypeError(
-        "save_module_outputs: match must be an nn.Module subclass, a tuple of them, a name "
+    raise CkptGraphTypeError(
+        "ckpt_graph: save_module_outputs: match must be an nn.Module subclass, a tuple of them, a name "
         f"pattern or a predicate (qualified_name, module) -> bool, got {match!r}"
     )
 
