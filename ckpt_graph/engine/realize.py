@@ -88,7 +88,7 @@ import torch
 
 from ckpt_graph._errors import CkptGraphError
 from ckpt_graph.engine.debug import check_kept, check_replay
-from ckpt_graph.engine.graph import Handle, arg_at, version_of
+from ckpt_graph.engine.graph import INPUT, Handle, arg_at, version_of
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode

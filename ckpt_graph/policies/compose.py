@@ -17,6 +17,7 @@ from torch._ops import OpOverload
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
+from ckpt_graph.engine.decisions import PROTOCOL_NAMES
 from ckpt_graph.policies.builtins import Answer, Policy, PolicyLike, _normalise, _resolve, save_ops
 
 __all__ = ["any_save", "first_answer", "from_torch_sac"]
