@@ -21,7 +21,7 @@ from .hooks import pack_hook_for, unpack_hook_for_autograd
 from .mutation import index_storage
 from .policies._core import POLICY_NAMES, PolicyContext, PolicyFn, resolve
 from .policies._core import to_decision as _to_decision
-from .realize import PassState, count_live_uses, lose_use
+from .realize import PassState, count_live_uses, lose_use, parse_cache_limit
 from .record import KEEP as _KEEP
 from .record import Recorder
 
@@ -46,6 +46,8 @@ class Region:
             nodes recorded before the save, handle)``; backward unpacks roughly in reverse.
         kept_bytes: bytes of the values kept by policy, tags or the engine (inputs excluded).
         debug: whether recomputed values are checked against the forward (checksums).
+        cache_limit: bound on the recomputed values a backward pass caches: bytes, ``None``
+            (automatic) or ``"unbounded"`` (see Note [Bounded recompute cache]).
 
     Invariants:
         Nothing outside refers to a region except the packed saved tensors autograd holds
@@ -60,7 +62,7 @@ class Region:
         True
     """
 
-    def __init__(self, debug: bool = False) -> None:
+    def __init__(self, debug: bool = False, cache_limit: int | str | None = None) -> None:
         self.nodes: list[OpNode] = []
         self.inputs: list[Handle] = []
         self._saved: list[tuple[int, Handle]] = []  # See Note [Saved tensor records].
@@ -68,6 +70,7 @@ class Region:
         self._saved_handles: list[Handle] = []
         self.kept_bytes = 0
         self.debug = debug
+        self.cache_limit = parse_cache_limit(cache_limit)
         self._policies: list[PolicyFn] = []
         self._constant: CheckpointPolicy | None = None
         self._ids: dict[int, Handle] = {}
