@@ -729,6 +729,8 @@ def _realize_bounded(region: Region, h: Handle) -> None:
     state.closing = held_bytes > state.segment_limit
     try:
         for index in order:
+            if index == order[-1]:
+                state.closing = False  # the last segment stays cached: backward is at it
             run_node(region, nodes[index])
     finally:
         state.need = {}
