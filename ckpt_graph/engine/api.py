@@ -17,6 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphError, CkptGraphTypeError
 from ckpt_graph.engine.decisions import normalize_policy
+from ckpt_graph.engine.realize import parse_cache_limit
 from ckpt_graph.engine.region import Region, current_region
 
 __all__ = ["checkpoint", "save_recompute_policy", "tag_with_policy"]
@@ -50,6 +51,20 @@ class save_recompute_policy:
             that diverged, and each kept value (parameters included) against its value at
             region exit, which catches writes through ``.data`` (see Note [Kept value
             checks]). Only honoured by the block that opens the region.
+        cache_limit: how many bytes of recomputed values backward may hold cached at once
+            (set by the block that opens the region; a nested block may only repeat it).
+            ``None`` (default) bounds automatically: when one realize would cache much of
+            the forward (one region over a whole model), values are cached in segments of
+            about ``sqrt(bytes x frontier)`` and recomputed again from sparse checkpoints,
+            at most two forwards of recompute in all (Chen et al. 2016). An int or a string
+            such as ``"256MiB"`` or ``"1.5GB"`` sets the bound in bytes (a warning says
+            when it is below what two forwards can reach); ``"unbounded"`` caches every
+            recomputed value until its last use. See Note [Bounded recompute cache].
+
+    Raises:
+        CkptGraphError: for a ``cache_limit`` that is not a positive size, ``None`` or
+            ``"unbounded"``, or a nested block that asks for another ``cache_limit`` than
+            its region's.
 
     Example:
         >>> with ckpt_graph.save_recompute_policy("recompute_all"):
@@ -57,9 +72,16 @@ class save_recompute_policy:
         >>> loss.backward()  # activations are recomputed on demand
     """
 
-    def __init__(self, policy: Any = "recompute_all", *, debug: bool = False) -> None:
+    def __init__(
+        self,
+        policy: Any = "recompute_all",
+        *,
+        debug: bool = False,
+        cache_limit: int | str | None = None,
+    ) -> None:
         self._policy = normalize_policy(policy)
         self._debug = debug
+        self._cache_limit = parse_cache_limit(cache_limit)
         self._region: Region | None = None
         self._opened = False
         self._hooks: Any = None
@@ -71,10 +93,17 @@ class save_recompute_policy:
             )
         region = current_region()
         if region is None:
-            region = Region(debug=self._debug)
+            region = Region(debug=self._debug, cache_limit=self._cache_limit)
             region._open_region()
             self._opened = True
         else:
+            if self._cache_limit is not None and self._cache_limit != region.cache_limit:
+                raise CkptGraphError(
+                    f"ckpt_graph: a nested save_recompute_policy block asks for cache_limit="
+                    f"{self._cache_limit!r}, but its region (opened by the outermost block) "
+                    f"has cache_limit={region.cache_limit!r}; pass cache_limit to the "
+                    "outermost block only"
+                )
             # See Note [Foreign saved-tensor hooks].
             self._hooks = region._hooks_for_nested_block()
             if self._hooks is not None:

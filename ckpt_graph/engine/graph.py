@@ -275,6 +275,8 @@ class OpNode:
         checksums: per output, a checksum of the forward value (only with ``debug=True``).
         realized: how many times the op ran during backward passes.
         transient: per backward pass, its output is transient (see Note [Transient values]).
+        owed: per bounded pass, an output was dropped while pending: the op runs again
+            (see Note [Bounded recompute cache]).
     """
 
     # Class-level defaults, as for Handle: set in __init__ only what every node has.
@@ -291,6 +293,7 @@ class OpNode:
     pass_id = -1
     live = False
     transient = False
+    owed = False
 
     def __init__(
         self,

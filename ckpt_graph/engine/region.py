@@ -23,7 +23,7 @@ from ckpt_graph.engine.decisions import to_decision as _to_decision
 from ckpt_graph.engine.graph import Handle, OpNode, version_of
 from ckpt_graph.engine.hooks import pack_hook_for, unpack_hook_for_autograd
 from ckpt_graph.engine.mutation import index_storage
-from ckpt_graph.engine.realize import PassState, count_live_uses, lose_use
+from ckpt_graph.engine.realize import PassState, count_live_uses, lose_use, parse_cache_limit
 from ckpt_graph.engine.record import KEEP as _KEEP
 from ckpt_graph.engine.record import Recorder
 
@@ -49,6 +49,8 @@ class Region:
         kept_bytes: bytes of the values kept by policy, tags or the engine (inputs excluded).
         debug: whether recomputed values are checked against the forward, and kept values
             against their value at region exit (checksums; see Note [Kept value checks]).
+        cache_limit: bound on the recomputed values a backward pass caches: bytes, ``None``
+            (automatic) or ``"unbounded"`` (see Note [Bounded recompute cache]).
 
     Invariants:
         Nothing outside refers to a region except the packed saved tensors autograd holds
@@ -63,7 +65,7 @@ class Region:
         True
     """
 
-    def __init__(self, debug: bool = False) -> None:
+    def __init__(self, debug: bool = False, cache_limit: int | str | None = None) -> None:
         self.nodes: list[OpNode] = []
         self.inputs: list[Handle] = []
         self._saved: list[tuple[int, Handle]] = []  # See Note [Saved tensor records].
@@ -71,6 +73,7 @@ class Region:
         self._saved_handles: list[Handle] = []
         self.kept_bytes = 0
         self.debug = debug
+        self.cache_limit = parse_cache_limit(cache_limit)
         self._policies: list[PolicyFn] = []
         self._constant: CheckpointPolicy | None = None
         self._ids: dict[int, Handle] = {}

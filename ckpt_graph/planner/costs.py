@@ -186,6 +186,7 @@ def from_region(
         frozenset(fixed),
         grad_bytes(values, ops, floating, [j for j, w in ws_items if w.input_grads == 0]),
         getattr(realize, "TRANSIENT_MIN_BYTES", 0),
+        region.cache_limit,
     )
 
 

@@ -72,6 +72,13 @@ builds one from a recorded region.
 #    value's pending uses minus one more uses; the value is dropped as soon as no op
 #    waiting in the current realize needs it (pins), and runs again at its next use; each
 #    use of it releases a use of each input.
+# 8. Bounded cache, as ``realize`` bounds it (Note [Bounded recompute cache]): with
+#    ``SimGraph.cache_limit`` not ``"unbounded"``, the segment size is computed from the
+#    same use counts (``realize.segment_limit``); a bounded pass marks no transient values,
+#    and each realize collects its ops, counts their reads (``need``), runs them in forward
+#    order, adds values no remaining op reads to the open segment, closes segments (frontier
+#    kept as checkpoints, segment dropped, producers owed a run that adds a use to each
+#    recomputed input) and runs dropped values again when a later step needs them.
 # Known limitations: the unpacked values of kept tensors are aliases (no memory); the
 # order of allocations inside a step is not modelled (the gradients of a step's inputs are
 # counted while its saved tensors are recomputed); the engine's ready queue may run
@@ -83,6 +90,7 @@ builds one from a recorded region.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -158,6 +166,8 @@ class SimGraph:
             liveness model] rule 4; empty for graphs without gradients.
         transient_min_bytes: smaller values are never transient (rule 7; the engine's
             ``realize.TRANSIENT_MIN_BYTES``).
+        cache_limit: the region's ``cache_limit`` (rule 8); ``"unbounded"`` caches every
+            recomputed value until its last use.
 
     Example:
         >>> g = SimGraph(
@@ -175,6 +185,7 @@ class SimGraph:
     fixed: frozenset[int] = frozenset()
     step_grad_bytes: Mapping[int, int] = field(default_factory=dict)
     transient_min_bytes: int = 0
+    cache_limit: int | str | None = "unbounded"
 
     def saved_bytes(self) -> int:
         """Activation bytes kept without checkpointing: distinct op-made saved storages."""
@@ -235,6 +246,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
         if not kept[v]:
             pending[v] += 1
     needed = [False] * n
+    last = [-1] * nv  # last op that will run and reads the value (rule 8)
     for j in range(n - 1, -1, -1):
         op = ops[j]
         if any(not kept[o] and pending[o] > 0 for o in op.outputs):
@@ -243,7 +255,12 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
                 live[i] += 1
                 if not kept[i]:
                     pending[i] += 1
-    transient = _mark_transient(g, kept, pending)
+                    if last[i] < 0:
+                        last[i] = j
+    bound = _Bound(g, kept, pending, last) if g.cache_limit != "unbounded" else None
+    if bound is not None and bound.limit == 0:
+        bound = None
+    transient = _mark_transient(g, kept, pending) if bound is None else [False] * nv
     refs: dict[int, int] = {}
     cached = [False] * nv
     pins = [0] * nv
@@ -326,7 +343,121 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
                 if pins[i] == 0 and cached[i]:
                     drop(i)
 
+    owed = [False] * n
+
+    def run_bounded(j: int) -> None:  # rule 8, as realize.run_node in a bounded pass
+        nonlocal cost, count
+        assert bound is not None
+        op = ops[j]
+        cost += op.cost
+        count += 1
+        owed[j] = False
+        for o in op.outputs:
+            acquire(o)
+        check(op.run_workspace)
+        fresh = []
+        for o in op.outputs:
+            if not kept[o] and pending[o] > 0 and not cached[o]:
+                cached[o] = True
+                fresh.append(o)
+            else:
+                release(o)
+        for o in fresh:
+            if o in bound.need:
+                bound.active[o] = None
+            else:
+                join(o)
+        for i in op.inputs:
+            if kept[i]:
+                continue
+            use(i)
+            left = bound.need[i] - 1
+            if left > 0:
+                bound.need[i] = left
+                continue
+            del bound.need[i]
+            if i in bound.active:
+                del bound.active[i]
+                if cached[i] and i not in bound.checkpoints:
+                    join(i)
+        if (
+            bound.closing
+            and 2 * bound.segment_bytes >= bound.limit
+            and bound.frontier() <= bound.frontier_bytes
+        ):
+            close()
+
+    def join(v: int) -> None:
+        assert bound is not None
+        nbytes = values[v].nbytes
+        if bound.view[v]:
+            r = storage[v]
+            if kept[r] or values[r].producer < 0 or cached[r] or r in bound.segment_roots:
+                nbytes = 0
+            else:
+                bound.segment_roots.add(r)
+        if bound.closing and bound.segment and bound.segment_bytes + nbytes > bound.limit:
+            close()
+        bound.segment.append(v)
+        bound.segment_bytes += nbytes
+
+    def close() -> None:
+        assert bound is not None
+        bound.checkpoints.update(bound.active)
+        for d in bound.segment:
+            if cached[d]:
+                drop(d)
+                owe(values[d].producer)
+        bound.segment, bound.segment_bytes, bound.segment_roots = [], 0, set()
+
+    def owe(j: int) -> None:
+        stack = [j]
+        while stack:
+            j = stack.pop()
+            if owed[j]:
+                continue
+            owed[j] = True
+            for i in ops[j].inputs:
+                if not kept[i]:
+                    pending[i] += 1
+                    if not cached[i]:
+                        stack.append(values[i].producer)
+
+    def realize_bounded(v: int) -> None:
+        assert bound is not None
+        need = bound.need = {v: 1}
+        todo: set[int] = set()
+        stack = [values[v].producer]
+        while stack:
+            j = stack.pop()
+            if j in todo:
+                continue
+            todo.add(j)
+            for i in ops[j].inputs:
+                if not kept[i]:
+                    need[i] = need.get(i, 0) + 1
+                    if not cached[i]:
+                        stack.append(values[i].producer)
+        order = sorted(todo)
+        held = {
+            storage[o]
+            for j in order
+            for o in ops[j].outputs
+            if not kept[o] and pending[o] > need.get(o, 0)
+        }
+        held_bytes = sum(bound.nbytes(r) for r in held)
+        bound.segment, bound.segment_bytes, bound.segment_roots = [], 0, set()
+        bound.closing = held_bytes > bound.limit
+        for j in order:
+            if j == order[-1]:
+                bound.closing = False  # the last segment stays cached
+            run_bounded(j)
+        bound.need, bound.active = {}, {}
+
     def realize(v: int) -> None:
+        if bound is not None:
+            realize_bounded(v)
+            return
         stack = [(values[v].producer, False)]
         while stack:
             j, expanded = stack.pop()
@@ -387,6 +518,82 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
     if not g.saved:
         peak = peak_total = kept_bytes
     return SimResult(peak, peak_total, kept_bytes, cost, count, peak_step)
+
+
+class _Bound:
+    """The state of a bounded pass (rule 8), mirroring ``realize.PassState``.
+
+    Attributes:
+        limit: bytes per segment (``realize.segment_limit``), 0 when the pass is not bounded.
+        frontier_bytes: mean frontier of the pass.
+    """
+
+    def __init__(self, g: SimGraph, kept: list[bool], pending: list[int], last: list[int]) -> None:
+        values, ops = g.values, g.ops
+        self.g, self.kept = g, kept
+        self.view = [
+            v.storage != k if v.is_view is None else v.is_view for k, v in enumerate(values)
+        ]
+        packs = [0] * len(values)
+        for _, v in g.saved:
+            packs[v] += 1
+        end: dict[int, int] = {}
+        saved: set[int] = set()
+        for v, val in enumerate(values):
+            if val.producer < 0 or kept[v] or pending[v] <= 0:
+                continue
+            r = val.storage
+            if kept[r] or values[r].producer < 0:
+                continue
+            end[r] = max(end.get(r, 0), last[v] if last[v] >= 0 else val.producer)
+            if packs[v]:
+                saved.add(r)
+        total = sum(values[r].nbytes for r in saved)
+        spans = sum(values[r].nbytes * (e - values[r].producer) for r, e in end.items())
+        self.frontier_bytes = spans // max(len(ops), 1)
+        k = math.isqrt(total * self.frontier_bytes)
+        limit = g.cache_limit
+        if limit is None:
+            first = self._first_realize_bytes(packs)
+            self.limit = k if k > 0 and first >= 4 * k else 0
+        else:
+            assert isinstance(limit, int)
+            self.limit = 0 if total <= limit else max(k, 1) if limit < 2 * k else limit // 2
+        self.need: dict[int, int] = {}
+        self.active: dict[int, None] = {}
+        self.checkpoints: set[int] = set()
+        self.segment: list[int] = []
+        self.segment_bytes = 0
+        self.segment_roots: set[int] = set()
+        self.closing = False
+
+    def nbytes(self, root: int) -> int:
+        """Bytes of a storage the pass may cache (0 for kept values and region inputs)."""
+        val = self.g.values[root]
+        return 0 if self.kept[root] or val.producer < 0 else val.nbytes
+
+    def frontier(self) -> int:
+        """Bytes of the storages the running realize's values still to be read hold."""
+        return sum(self.nbytes(r) for r in {self.g.values[a].storage for a in self.active})
+
+    def _first_realize_bytes(self, packs: list[int]) -> int:
+        values, ops, kept = self.g.values, self.g.ops, self.kept
+        target = next((v for _, v in reversed(self.g.saved) if not kept[v]), -1)
+        if target < 0 or values[target].producer < 0:
+            return 0
+        seen = {values[target].producer}
+        stack = [values[target].producer]
+        roots: set[int] = set()
+        while stack:
+            op = ops[stack.pop()]
+            for o in op.outputs:
+                if not kept[o] and packs[o]:
+                    roots.add(values[o].storage)
+            for i in op.inputs:
+                if not kept[i] and values[i].producer not in seen:
+                    seen.add(values[i].producer)
+                    stack.append(values[i].producer)
+        return sum(self.nbytes(r) for r in roots)
 
 
 def _mark_transient(g: SimGraph, kept: list[bool], pending: list[int]) -> list[bool]:
