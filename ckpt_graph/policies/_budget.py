@@ -111,8 +111,8 @@ _CHAIN_OPS = 200
 _CHEAP = 0.9
 _DETACH = "aten.detach.default"
 _SEGMENT = 0.3
-_MENU = 6  # solver budgets per distinct region graph (Note [Step budget across regions])
-_MENU_EVALS = 150
+_MENU = 4  # solver budgets per distinct region graph (Note [Step budget across regions])
+_MENU_EVALS = 100
 _GRAIN = 1024
 Signature = tuple[str, tuple[tuple[int, ...], ...]]
 
