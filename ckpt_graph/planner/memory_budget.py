@@ -6,18 +6,25 @@
 #    autograd saves that the region's ops produce (``SimGraph.saved_bytes``). It bounds
 #    the *simulated activation peak of backward* (kept + cached + held recomputed values,
 #    see Note [Backward liveness model]); gradient buffers are reported, not budgeted.
-#    Each region is budgeted separately (per-layer regions each get the budget).
-# 2. First step: no plan exists, so the online heuristic decides (rule 5) while the region
-#    records the graph; the cost of each op is ``ctx.flops`` or, for ops without a FLOP
-#    formula (elementwise, reductions), the number of output elements. At the region's exit
-#    the solver (Note [Memory budget planning]) plans the kept ops for the next steps.
+#    The budget is for a whole *step*: several regions of one step using the same policy
+#    object (per-layer regions of ``wrap`` or ``integrations.transformers.enable``, several
+#    ``with`` blocks) share it, planned jointly (Note [Step budget across regions]).
+# 2. First step: no plan exists, so the online heuristic decides (rule 5) in each region
+#    (paced against that region's own saved bytes) while the region records the graph; the
+#    cost of each op is ``ctx.flops`` or, for ops without a FLOP formula (elementwise,
+#    reductions), the number of output elements. At the region's exit its graph is kept
+#    (``_Graph``, no tensors); once the step is over, the solver (Note [Memory budget
+#    planning]) plans the kept ops of the step's regions for the next steps.
 # 3. Plans are keyed by the region's *ordinal within a step*: a step starts when a region
-#    is entered after every region of the previous one ran its backward or was released.
-#    A region first tries the plan of its ordinal, then any other plan (identical layers
-#    under per-layer regions share one), following each op's signature (op name and
-#    output shapes): answers come from the first plan still matching. A region that
-#    diverges from every plan (or ends early) falls back to the heuristic for the rest,
-#    and is planned again at exit; if its ordinal had a plan, the graph changed: warn once.
+#    is entered after every region of the previous one ran its backward or was released
+#    (gradient accumulation over micro-batches: each forward + backward is a step; several
+#    forwards before one backward: one step). The step's regions are planned when the next
+#    step's first region is entered, or when ``report()`` is asked for. A region first
+#    tries the plan of its ordinal, then any other plan, following each op's signature (op
+#    name and output shapes): answers come from the first plan still matching. A region
+#    that diverges from every plan (or ends early) falls back to the heuristic for the
+#    rest, and its step is planned again; if its ordinal had a plan, the graph changed:
+#    warn once.
 # 4. Nesting. The policy decides only for the ops recorded while its own block is open
 #    (from ``on_region_enter`` to ``on_region_exit``), answering MUST_SAVE for kept ops
 #    (an inner "recompute the rest" policy cannot undo it) and PREFER_RECOMPUTE otherwise
@@ -51,10 +58,40 @@
 #    value can make the engine record one (torch's ``make_variable`` dispatches a detach
 #    after a kept factory op returns), which would shift positions
 #    between a step decided by the heuristic and one decided by the plan.
+
+# Note [Step budget across regions]
+# 1. Memory of a step. Backward visits the step's regions in the reverse order of their
+#    forward (region k's backward ends before region k-1's starts). What region j keeps,
+#    and its activation inputs (values with autograd history made before it, e.g. the
+#    hidden states a layer reads, counted once per storage in the first region of the step
+#    that reads them), stay alive from its forward until its backward ends. So during the
+#    backward of region k the activation memory is
+#        sum over j < k of (kept_j + inputs_j)  +  inputs_k  +  peak_k
+#    where kept_j and peak_k are the liveness simulator's ``kept_bytes`` and
+#    ``peak_bytes`` of each region's plan (Note [Backward liveness model]); the step's
+#    peak is the largest of these. A fraction budget is of the step's activation memory
+#    without checkpointing: the regions' saved bytes plus their activation inputs.
+# 2. Identical layers share a graph: a region's graph is stored once per op signature
+#    (rule 3 of Note [Memory budget policy]), and so is its *menu*: the trade-offs
+#    (kept bytes, peak, recompute cost) of keeping nothing, keeping every candidate, and
+#    the solver's plans for ``_MENU`` budgets spread between the lowest peak it finds and
+#    the peak of keeping everything. Regions given the same menu entry share one plan.
+# 3. Joint choice: a DP over the regions in forward order picks one menu entry per region
+#    with the least summed recompute cost such that every term of rule 1 fits the budget.
+#    Its state is the prefix sum of rule 1 (rounded up to 1/1024 of the budget); states
+#    with a larger prefix and no lower cost are dropped. Later regions thus keep more: what
+#    they keep is freed first. If nothing fits, the budget is raised by 5% steps until a
+#    plan does and the policy warns once with the predicted step peak.
+# 4. A step of one region is planned as before: the solver alone, against the region's
+#    budget (rule 1 of Note [Memory budget policy]).
+# Known limitations: the model ignores memory outside the step's regions (embeddings,
+# logits, the loss), the forward's own peak, and gradient buffers; regions of one step
+# whose backwards interleave (two regions in parallel branches) are modelled as nested.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from dataclasses import dataclass, field, replace
@@ -64,26 +101,87 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
-from ckpt_graph.planner.liveness import from_region, simulate
+from ckpt_graph.planner.liveness import SimGraph, SimResult, from_region, simulate
 from ckpt_graph.planner.solve import KeptTensor, PlanReport, candidate_ops, solve
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
 
-__all__ = ["KeptTensor", "MemoryBudget", "PlanReport", "memory_budget"]
+__all__ = ["KeptTensor", "MemoryBudget", "PlanReport", "StepPlan", "memory_budget"]
 
 _CHAIN_OPS = 200
 _CHEAP = 0.9
 _DETACH = "aten.detach.default"
 _SEGMENT = 0.3
+_MENU = 4  # solver budgets per distinct region graph (Note [Step budget across regions])
+_MENU_EVALS = 100
+_GRAIN = 1024
 Signature = tuple[str, tuple[tuple[int, ...], ...]]
 
 
+@dataclass(frozen=True)
+class _Option:
+    """One entry of a graph's menu: kept ops and the simulated backward."""
+
+    kept_ops: frozenset[int]
+    result: SimResult
+    method: str
+    feasible: bool = True
+
+
 @dataclass
+class _Graph:
+    """A region's graph as planned; one per op signature (Note [Step budget across regions])."""
+
+    signature: tuple[Signature, ...]
+    g: SimGraph
+    candidates: list[int]
+    positions: dict[int, int]
+    baseline: int
+    outside: int
+    menu: list[_Option] | None = None
+
+
+@dataclass(eq=False)  # by identity: regions of identical layers share one
 class _Plan:
     signature: tuple[Signature, ...]
     kept: frozenset[int]  # signature positions (see rule 6 of Note [Memory budget policy])
     report: PlanReport
+    graph: _Graph | None = None
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """A region of the current step whose block exited: its graph and activation inputs."""
+
+    ordinal: int
+    graph: _Graph
+    inputs: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The joint plan of a step's regions (Note [Step budget across regions]).
+
+    Attributes:
+        regions: regions in the step.
+        budget_bytes: the step's budget in bytes.
+        baseline_bytes: the step's activation bytes without checkpointing.
+        input_bytes: activation inputs of the regions (always kept), in the step's peak.
+        predicted_peak_bytes: the largest term of rule 1 of the Note.
+        predicted_recompute_flops: summed recompute cost of the regions' plans.
+        feasible: whether the plan fits the budget (else: the budget was raised to fit).
+        graphs: distinct region graphs (identical layers share one).
+    """
+
+    regions: int
+    budget_bytes: int
+    baseline_bytes: int
+    input_bytes: int
+    predicted_peak_bytes: int
+    predicted_recompute_flops: int
+    feasible: bool
+    graphs: int
 
 
 @dataclass
@@ -94,6 +192,7 @@ class _Run:
     ordinal: int
     kept_at_enter: int
     plans: list[_Plan]
+    inputs_at_enter: int = 0
     depth: int = 1
     signature: list[Signature] = field(default_factory=list)
     costs: dict[int, int] = field(default_factory=dict)
@@ -115,7 +214,8 @@ class MemoryBudget:
     Known limitations:
         The budget bounds the simulated activation memory, not backward temporaries or
         gradients; the simulator's unpack order is autograd's usual one for a region
-        (reverse forward order). Plans are per region, not across regions.
+        (reverse forward order). A step's plan ignores memory outside its regions (see
+        Note [Step budget across regions]).
     """
 
     def __init__(self, budget: int | float) -> None:
@@ -137,6 +237,14 @@ class MemoryBudget:
         self._step: list[weakref.ref[Region]] = []
         self._last: PlanReport | None = None
         self._warned = False
+        self._warned_step = False
+        # the current step (Note [Step budget across regions])
+        self._seen: list[_Seen] = []
+        self._storages: set[int] = set()
+        self._graphs: dict[tuple[Signature, ...], _Graph] = {}
+        self._dirty = False
+        self._planned: tuple[int, ...] = ()
+        self._step_plan: StepPlan | None = None
 
     def __repr__(self) -> str:
         return f"memory_budget({self.budget!r})"
@@ -148,18 +256,22 @@ class MemoryBudget:
         if run is not None:
             run.depth += 1
             return
-        if all(_done(r()) for r in self._step):
-            self._step = []
+        if all(_done(r()) for r in self._step):  # a new step: plan the last one
+            self._plan_step()
+            self._step, self._seen = [], []
+            self._storages = set()
         ordinal = len(self._step)
         self._step.append(weakref.ref(region))
         own = self._plans.get(ordinal)
         plans = ([own] if own is not None else []) + [
-            p for p in self._plans.values() if p is not own
+            p for p in dict.fromkeys(self._plans.values()) if p is not own
         ]
-        self._runs[id(region)] = _Run(len(region.nodes), ordinal, region.kept_bytes, plans)
+        self._runs[id(region)] = _Run(
+            len(region.nodes), ordinal, region.kept_bytes, plans, len(region.inputs)
+        )
 
     def on_region_exit(self, region: Region) -> None:
-        """Plan the block's ops for the next steps unless a plan matched it fully."""
+        """Record the block's graph for the step's plan unless a plan matched it fully."""
         run = self._runs.get(id(region))
         if run is None:
             return
@@ -167,12 +279,14 @@ class MemoryBudget:
         if run.depth > 0:
             return
         del self._runs[id(region)]
+        inputs = self._input_bytes(region, run)
         matched = [p for p in run.plans if len(p.signature) == len(run.signature)]
-        if matched and not run.heuristic:
+        if matched and not run.heuristic and matched[0].graph is not None:
             plan = matched[0]
             plan.report = replace(plan.report, reuses=plan.report.reuses + 1)
             self._plans.setdefault(run.ordinal, plan)
             self._last = plan.report
+            self._seen.append(_Seen(run.ordinal, matched[0].graph, inputs))
             return
         old = self._plans.get(run.ordinal)
         if old is not None and not self._warned:
@@ -185,9 +299,28 @@ class MemoryBudget:
                 "again for the next steps (warned once per policy)",
                 stacklevel=2,
             )
-        plan = self._plan(region, run)
-        self._plans[run.ordinal] = plan
-        self._last = plan.report
+        graph = self._graph(region, run)
+        graph = self._graphs.setdefault(graph.signature, graph)
+        self._seen.append(_Seen(run.ordinal, graph, inputs))
+        self._dirty = True
+
+    def _input_bytes(self, region: Region, run: _Run) -> int:
+        """Bytes of the block's activation inputs not yet counted in this step.
+
+        Region inputs with autograd history (a previous layer's output) are activations
+        the region keeps until its backward; parameters, the batch and other leaves are
+        not. See Note [Step budget across regions] rule 1.
+        """
+        total = 0
+        for h in region.inputs[run.inputs_at_enter :]:
+            t = h.ref() if h.ref is not None else None
+            if t is None or t.grad_fn is None:
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key not in self._storages:
+                self._storages.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
 
     # ---------------------------------------------------------------- decisions
     def __call__(
@@ -267,7 +400,8 @@ class MemoryBudget:
         return keep
 
     # ---------------------------------------------------------------- planning
-    def _plan(self, region: Region, run: _Run) -> _Plan:
+    def _graph(self, region: Region, run: _Run) -> _Graph:
+        """The block's graph as the planner sees it, with the ops the plan may decide."""
         end = len(region.nodes)
         free = []
         for j in range(run.start, end):
@@ -282,42 +416,149 @@ class MemoryBudget:
         candidates = candidate_ops(g, free)
         own = {g.values[v].storage for _, v in g.saved if g.values[v].producer >= run.start}
         baseline = sum(g.values[s].nbytes for s in own if g.values[s].producer >= 0)
-        fraction = isinstance(self.budget, float)
-        budget = int(self.budget * baseline) if fraction else int(self.budget)
         outside = simulate(g, []).kept_bytes  # fixed kept storages count against the budget
         fixed_in = {g.values[v].storage for v in g.fixed if g.values[v].producer >= run.start}
         outside -= sum(g.values[s].nbytes for s in fixed_in)
-        sol = solve(g, candidates, budget + outside)
-        if not sol.feasible:
+        positions = {j: run.positions[j] for j in candidates if j in run.positions}
+        return _Graph(tuple(run.signature), g, candidates, positions, baseline, outside)
+
+    def _plan_step(self) -> None:
+        """Plan the regions of the current step for the next ones, unless already planned.
+
+        See Note [Step budget across regions].
+        """
+        if not self._seen:
+            return
+        key = tuple(id(s.graph) for s in self._seen)
+        if not self._dirty and key == self._planned:
+            return
+        self._dirty = False
+        self._planned = key
+        if len(self._seen) == 1:
+            seen = self._seen[0]
+            graph = seen.graph
+            fraction = isinstance(self.budget, float)
+            budget = int(self.budget * graph.baseline) if fraction else int(self.budget)
+            sol = solve(graph.g, graph.candidates, budget + graph.outside)
+            if not sol.feasible:
+                warnings.warn(
+                    f"ckpt_graph: memory_budget({self.budget!r}): no plan found within "
+                    f"{budget:,} bytes for region #{seen.ordinal}; the plan with the lowest "
+                    f"simulated peak ({sol.result.peak_bytes - graph.outside:,} bytes) is used",
+                    stacklevel=4,
+                )
+            option = _Option(sol.kept_ops, sol.result, sol.method, sol.feasible)
+            plan = self._make_plan(graph, option, seen.ordinal, budget)
+            self._plans[seen.ordinal] = plan
+            self._last = plan.report
+            self._step_plan = None
+            return
+        self._plan_jointly()
+
+    def _plan_jointly(self) -> None:
+        """The DP of rule 3 of Note [Step budget across regions]."""
+        seen = self._seen
+        baseline = sum(s.graph.baseline + s.inputs for s in seen)
+        outside = sum(s.graph.outside for s in seen)
+        fraction = isinstance(self.budget, float)
+        budget = int(self.budget * baseline) if fraction else int(self.budget)
+        menus = [self._menu(s.graph) for s in seen]
+        limit = budget + outside
+        choice = _choose(seen, menus, limit)
+        while choice is None:  # nothing fits: raise the budget until a plan does
+            limit = int(limit * 1.05) + 1
+            choice = _choose(seen, menus, limit)
+        feasible = limit == budget + outside
+        prefix = peak = cost = 0
+        for s, menu, m in zip(seen, menus, choice, strict=True):
+            r = menu[m].result
+            peak = max(peak, prefix + s.inputs + r.peak_bytes)
+            prefix += s.inputs + r.kept_bytes
+            cost += r.recompute_cost
+        if not feasible and not self._warned_step:
+            self._warned_step = True
             warnings.warn(
-                f"ckpt_graph: memory_budget({self.budget!r}): no plan found within {budget:,} "
-                f"bytes for region #{run.ordinal}; the plan with the lowest simulated peak "
-                f"({sol.result.peak_bytes - outside:,} bytes) is used",
-                stacklevel=3,
+                f"ckpt_graph: memory_budget({self.budget!r}): no plan found within "
+                f"{budget:,} bytes for the step's {len(seen)} regions; the plans with the "
+                f"lowest predicted step peak found ({peak - outside:,} bytes) are used "
+                "(warned once per policy)",
+                stacklevel=5,
             )
+        shared: dict[tuple[int, int], _Plan] = {}
+        prefix = 0
+        for s, menu, m in zip(seen, menus, choice, strict=True):
+            plan = shared.get((id(s.graph), m))
+            if plan is None:
+                share = budget + outside - prefix - s.inputs  # what this region may use
+                plan = self._make_plan(s.graph, menu[m], s.ordinal, share)
+                shared[id(s.graph), m] = plan
+            self._plans[s.ordinal] = plan
+            self._last = plan.report
+            prefix += s.inputs + menu[m].result.kept_bytes
+        self._step_plan = StepPlan(
+            regions=len(seen),
+            budget_bytes=budget,
+            baseline_bytes=baseline,
+            input_bytes=sum(s.inputs for s in seen),
+            predicted_peak_bytes=peak - outside,
+            predicted_recompute_flops=cost,
+            feasible=feasible,
+            graphs=len({id(s.graph) for s in seen}),
+        )
+
+    def _menu(self, graph: _Graph) -> list[_Option]:
+        """Trade-offs of one region graph (rule 2 of Note [Step budget across regions])."""
+        if graph.menu is not None:
+            return graph.menu
+        g, cands = graph.g, graph.candidates
+        options = [_Option(frozenset(), simulate(g, []), "none")]
+        everything = _Option(frozenset(cands), simulate(g, cands), "all")
+        options.append(everything)
+        low = solve(g, cands, 0, max_evals=_MENU_EVALS)
+        options.append(_Option(low.kept_ops, low.result, low.method))
+        lo = min(o.result.peak_bytes for o in options)
+        hi = everything.result.peak_bytes
+        for i in range(1, _MENU):
+            sol = solve(g, cands, lo + (hi - lo) * i // _MENU, max_evals=_MENU_EVALS)
+            if sol.feasible:
+                options.append(_Option(sol.kept_ops, sol.result, sol.method))
+        # drop dominated entries: no lower peak, kept bytes or cost than another
+        menu: list[_Option] = []
+        for o in sorted(options, key=lambda o: (o.result.recompute_cost, o.result.peak_bytes)):
+            r = o.result
+            if not any(
+                m.result.peak_bytes <= r.peak_bytes and m.result.kept_bytes <= r.kept_bytes
+                for m in menu
+            ):
+                menu.append(o)
+        graph.menu = menu
+        return menu
+
+    def _make_plan(self, graph: _Graph, option: _Option, ordinal: int, budget: int) -> _Plan:
+        g = graph.g
         kept = tuple(
             KeptTensor(
                 j,
                 g.ops[j].name,
                 sum(g.values[o].nbytes for o in g.ops[j].outputs if g.values[o].storage == o),
             )
-            for j in sorted(sol.kept_ops)
+            for j in sorted(option.kept_ops)
         )
         report = PlanReport(
-            ordinal=run.ordinal,
+            ordinal=ordinal,
             budget_bytes=budget,
-            baseline_bytes=baseline,
+            baseline_bytes=graph.baseline,
             kept=kept,
-            predicted_peak_bytes=sol.result.peak_bytes,
-            predicted_total_peak_bytes=sol.result.peak_total_bytes,
-            predicted_recompute_flops=sol.result.recompute_cost,
-            recomputed_ops=sol.result.recomputed_ops,
-            feasible=sol.feasible,
-            candidates=len(candidates),
-            method=sol.method,
+            predicted_peak_bytes=option.result.peak_bytes,
+            predicted_total_peak_bytes=option.result.peak_total_bytes,
+            predicted_recompute_flops=option.result.recompute_cost,
+            recomputed_ops=option.result.recomputed_ops,
+            feasible=option.feasible,
+            candidates=len(graph.candidates),
+            method=option.method,
         )
-        kept_pos = frozenset(run.positions[j] for j in sol.kept_ops if j in run.positions)
-        return _Plan(tuple(run.signature), kept_pos, report)
+        kept_pos = frozenset(graph.positions[j] for j in option.kept_ops if j in graph.positions)
+        return _Plan(graph.signature, kept_pos, report, graph)
 
     # ---------------------------------------------------------------- introspection
     def report(self, ordinal: int | None = None) -> PlanReport | None:
@@ -326,10 +567,22 @@ class MemoryBudget:
         Example:
             >>> print(policy.report())  # doctest: +SKIP
         """
+        self._plan_step()
         if ordinal is None:
             return self._last
         plan = self._plans.get(ordinal)
         return plan.report if plan is not None else None
+
+    def step_report(self) -> StepPlan | None:
+        """The joint plan of the last step with several regions (None for one region).
+
+        See Note [Step budget across regions].
+
+        Example:
+            >>> print(policy.step_report())  # doctest: +SKIP
+        """
+        self._plan_step()
+        return self._step_plan
 
 
 def memory_budget(budget: int | float) -> MemoryBudget:
@@ -346,6 +599,40 @@ def memory_budget(budget: int | float) -> MemoryBudget:
         >>> print(policy.report())  # doctest: +SKIP
     """
     return MemoryBudget(budget)
+
+
+def _choose(seen: list[_Seen], menus: list[list[_Option]], limit: int) -> list[int] | None:
+    """Menu entry per region, least summed recompute cost within ``limit``, or None.
+
+    A DP over the regions in forward order on the prefix sum of rule 1 of Note [Step budget
+    across regions], rounded up to ``limit / _GRAIN``.
+    """
+    grain = max(1, limit // _GRAIN)
+    # state: rounded prefix -> (prefix, cost, choices so far)
+    states: dict[int, tuple[int, int, tuple[int, ...]]] = {0: (0, 0, ())}
+    for s, menu in zip(seen, menus, strict=True):
+        nxt: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+        for prefix, cost, picks in states.values():
+            for m, option in enumerate(menu):
+                r = option.result
+                if prefix + s.inputs + r.peak_bytes > limit:
+                    continue
+                after = prefix + s.inputs + r.kept_bytes
+                key = math.ceil(after / grain)
+                total = cost + r.recompute_cost
+                old = nxt.get(key)
+                if old is None or (total, after) < (old[1], old[0]):
+                    nxt[key] = (after, total, (*picks, m))
+        if not nxt:
+            return None
+        states = {}
+        best = -1
+        for key in sorted(nxt):  # keep states with a lower cost than every smaller prefix
+            state = nxt[key]
+            if best < 0 or state[1] < best:
+                states[key] = state
+                best = state[1]
+    return list(min(states.values(), key=lambda t: (t[1], t[0]))[2])
 
 
 def _done(region: Region | None) -> bool:
