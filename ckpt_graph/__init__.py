@@ -4,11 +4,15 @@ Record a region's aten ops as a lazy graph, keep what the policy says, and recom
 rest on demand in backward, with gradients identical to a run without checkpointing.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import memory, policies
 from ._errors import CkptGraphError
 from .api import checkpoint, save_recompute_policy, tag_with_policy
+from .dropin import checkpoint_sequential, patch_torch_checkpoint
 from .memory import MemoryReport, measure
 from .region import Region
 from .wrap import unwrap, wrap
@@ -19,8 +23,10 @@ __all__ = [
     "MemoryReport",
     "Region",
     "checkpoint",
+    "checkpoint_sequential",
     "measure",
     "memory",
+    "patch_torch_checkpoint",
     "policies",
     "save_recompute_policy",
     "tag_with_policy",
@@ -28,3 +34,24 @@ __all__ = [
     "wrap",
 ]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from . import analysis as analysis
+    from . import grads as grads
+    from . import integrations as integrations
+    from . import nn as nn
+
+# Submodules that import more (networkx, transformers through integrations) load on first
+# attribute access: `import ckpt_graph as cg; cg.grads.FlatGrads` works without an import of
+# ckpt_graph.grads at `import ckpt_graph`.
+_LAZY_SUBMODULES = frozenset({"analysis", "grads", "integrations", "nn"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _LAZY_SUBMODULES)
