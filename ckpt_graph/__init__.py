@@ -4,6 +4,9 @@ Record a region's aten ops as a lazy graph, keep what the policy says, and recom
 rest on demand in backward, with gradients identical to a run without checkpointing.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph import memory, policies
@@ -15,6 +18,7 @@ from ckpt_graph._errors import (
 )
 from ckpt_graph.engine.api import checkpoint, save_recompute_policy, tag_with_policy
 from ckpt_graph.engine.region import Region
+from ckpt_graph.integrations.torch_checkpoint import checkpoint_sequential, patch_torch_checkpoint
 from ckpt_graph.integrations.wrap import unwrap, wrap
 from ckpt_graph.memory import MemoryReport, measure
 
@@ -27,8 +31,10 @@ __all__ = [
     "MemoryReport",
     "Region",
     "checkpoint",
+    "checkpoint_sequential",
     "measure",
     "memory",
+    "patch_torch_checkpoint",
     "policies",
     "save_recompute_policy",
     "tag_with_policy",
@@ -36,3 +42,21 @@ __all__ = [
     "wrap",
 ]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from ckpt_graph import analysis, grads, integrations, nn
+
+# Submodules that import more (networkx, transformers through integrations) load on first
+# attribute access: `import ckpt_graph as cg; cg.grads.FlatGrads` works without an import of
+# ckpt_graph.grads at `import ckpt_graph`.
+_LAZY_SUBMODULES = frozenset({"analysis", "grads", "integrations", "nn"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _LAZY_SUBMODULES)

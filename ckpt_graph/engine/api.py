@@ -132,14 +132,108 @@ class save_recompute_policy:
             region._close_region()
 
 
-def checkpoint(fn: Callable[..., T], *args: Any, policy: Any = "recompute_all", **kwargs: Any) -> T:
+# Note [checkpoint as a drop-in for torch's]
+# ``checkpoint`` takes the keyword arguments of ``torch.utils.checkpoint.checkpoint`` so that a
+# call written for torch runs unchanged; they are never passed on to the user's function.
+#   1. ``use_reentrant``, ``preserve_rng_state`` and ``early_stop`` select variants of torch's
+#      replay. A region has one mechanism, which gives the gradients of a run without
+#      checkpointing for every value of them: random ops are always replayed with the state
+#      they drew from (See Note [RNG replay] in realize.py), and only what backward needs runs.
+#      They are accepted and have no effect.
+#   2. ``context_fn`` is torch's selective checkpointing: the pair of dispatch modes that
+#      ``create_selective_checkpoint_contexts(policy_fn)`` returns. Its ``policy_fn`` is
+#      pushed, adapted by ``policies.from_torch_sac``, as an inner policy of the region: the
+#      same nesting as torch's SAC inside its checkpoint. Any other context pair cannot be
+#      translated (the region records aten ops itself; torch's modes would run inside it) and
+#      raises, naming the fix.
+#   3. ``determinism_check`` is ``"default"`` or ``"none"`` as in torch: the recompute replays
+#      the recorded aten calls, so the metadata torch compares cannot differ. ``debug=True``
+#      asks for more: each recomputed value is compared with the forward's
+#      (``save_recompute_policy(debug=True)``).
+# torch reads ``preserve_rng_state`` from ``**kwargs``; here it is a named keyword.
+
+
+def checkpoint(
+    fn: Callable[..., T],
+    *args: Any,
+    policy: Any = "recompute_all",
+    use_reentrant: bool | None = None,
+    context_fn: Callable[[], Any] | None = None,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    preserve_rng_state: bool = True,
+    **kwargs: Any,
+) -> T:
     """Return ``fn(*args, **kwargs)`` computed inside a region with ``policy``.
+
+    A drop-in for ``torch.utils.checkpoint.checkpoint``: its keyword arguments are accepted
+    and translated, not passed to ``fn``. See Note [checkpoint as a drop-in for torch's].
+
+    Args:
+        fn: the function to run.
+        *args: its positional arguments.
+        policy: the region policy, as for :class:`save_recompute_policy`.
+        use_reentrant: accepted for torch compatibility; no effect.
+        context_fn: torch's ``functools.partial(create_selective_checkpoint_contexts,
+            policy_fn)``: ``policy_fn`` becomes an inner policy of the region.
+        determinism_check: ``"default"`` or ``"none"``, as in torch.
+        debug: check each recomputed value against the forward's and name the first op that
+            diverged.
+        early_stop: accepted for torch compatibility; no effect.
+        preserve_rng_state: accepted for torch compatibility; random ops are always replayed
+            exactly.
+        **kwargs: keyword arguments of ``fn``.
+
+    Raises:
+        CkptGraphError: ``context_fn`` does not come from
+            ``create_selective_checkpoint_contexts``, or ``determinism_check`` is unknown.
 
     Example:
         >>> h = ckpt_graph.checkpoint(block, h)  # one region per block
+        >>> h = ckpt_graph.checkpoint(block, h, use_reentrant=False)  # torch's call, unchanged
     """
-    with save_recompute_policy(policy):
-        return fn(*args, **kwargs)
+    del use_reentrant, early_stop, preserve_rng_state  # See Note [checkpoint as a drop-in ...]
+    if determinism_check not in ("default", "none"):
+        raise CkptGraphError(
+            f"ckpt_graph: checkpoint(determinism_check={determinism_check!r}) is not a known "
+            "value; pass 'default' or 'none' as for torch.utils.checkpoint, or debug=True to "
+            "compare every recomputed value with the forward's"
+        )
+    inner = _policy_from_context_fn(context_fn)
+    with save_recompute_policy(policy, debug=debug):
+        if inner is None:
+            return fn(*args, **kwargs)
+        with save_recompute_policy(inner):
+            return fn(*args, **kwargs)
+
+
+def _policy_from_context_fn(context_fn: Callable[[], Any] | None) -> Any:
+    """torch's SAC ``context_fn`` as a ckpt_graph policy (None for none or torch's no-op).
+
+    Relies on torch's private ``_CachingTorchDispatchMode.policy_fn`` (pinned by a test in
+    tests/test_checkpoint_dropin.py): torch has no public accessor for it.
+    """
+    from torch.utils import checkpoint as torch_checkpoint
+
+    if context_fn is None or context_fn is torch_checkpoint.noop_context_fn:
+        return None
+    contexts = context_fn()
+    forward_ctx = contexts[0] if isinstance(contexts, tuple) and len(contexts) == 2 else None
+    policy_fn = getattr(forward_ctx, "policy_fn", None)
+    caching_mode = getattr(torch_checkpoint, "_CachingTorchDispatchMode", None)
+    if caching_mode is None or not isinstance(forward_ctx, caching_mode) or policy_fn is None:
+        raise CkptGraphError(
+            f"ckpt_graph: checkpoint(context_fn={getattr(context_fn, '__qualname__', context_fn)!r}) "
+            f"returned {contexts!r}, which is not torch's selective checkpointing pair from "
+            "create_selective_checkpoint_contexts; a region records aten ops itself and cannot "
+            "run other context managers around its recompute. Pass "
+            "policy=ckpt_graph.policies.from_torch_sac(policy_fn) instead, or enter the "
+            "context managers inside the checkpointed function"
+        )
+    from ckpt_graph.policies.compose import from_torch_sac  # late: policies build on the engine
+
+    return from_torch_sac(policy_fn)
 
 
 def tag_with_policy(tensor: torch.Tensor, policy: CheckpointPolicy | bool) -> torch.Tensor:

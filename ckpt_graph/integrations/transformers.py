@@ -13,21 +13,37 @@
 # transformers' ``enable_input_require_grads`` hook. ``transformers`` is imported lazily.
 # Under torch.compile the call goes through a dynamo-disabled function (one graph break per
 # layer, the layer runs eagerly in its region, with a warning), as for ``ckpt_graph.wrap``:
-# see Note [Wrapped modules under torch.compile] in ckpt_graph/integrations/wrap.py.
 """
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ckpt_graph._errors import CkptGraphImportError, CkptGraphTypeError, CkptGraphValueError
+from ckpt_graph._errors import (
+    CkptGraphError,
+    CkptGraphImportError,
+    CkptGraphTypeError,
+    CkptGraphValueError,
+)
 from ckpt_graph.engine.api import checkpoint
 
-__all__ = ["HFCheckpointFunction", "disable", "enable", "is_enabled"]
+# CheckpointCallback is built by the module __getattr__ (transformers imported then).
+__all__ = [  # noqa: F822
+    "CheckpointCallback",
+    "HFCheckpointFunction",
+    "check",
+    "disable",
+    "enable",
+    "is_enabled",
+]
+
+_POLICY_ATTR = "_ckpt_graph_policy"
+_ENTRY_POINTS = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
 
 
 class HFCheckpointFunction:
@@ -41,18 +57,20 @@ class HFCheckpointFunction:
         >>> y = f(torch.nn.functional.gelu, torch.randn(3, requires_grad=True))
     """
 
-    __slots__ = ("policy",)
+    __slots__ = ("options", "policy")
 
-    def __init__(self, policy: Any) -> None:
+    def __init__(self, policy: Any, **options: Any) -> None:
         self.policy = policy
+        self.options = options
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # constant under dynamo; False when eager
-            return _checkpoint_eagerly(self.policy, function, args, kwargs)
-        return checkpoint(function, *args, policy=self.policy, **kwargs)
+            return _checkpoint_eagerly(self.policy, function, args, {**self.options, **kwargs})
+        return checkpoint(function, *args, policy=self.policy, **self.options, **kwargs)
 
     def __repr__(self) -> str:
-        return f"HFCheckpointFunction(policy={self.policy!r})"
+        options = "".join(f", {k}={v!r}" for k, v in self.options.items())
+        return f"HFCheckpointFunction(policy={self.policy!r}{options})"
 
 
 @torch._dynamo.disable  # type: ignore[untyped-decorator,misc]
@@ -71,7 +89,7 @@ def _checkpoint_eagerly(
     return checkpoint(function, *args, policy=policy, **kwargs)
 
 
-def _pretrained(model: Any, caller: str) -> Any:
+def _transformers(caller: str) -> Any:
     try:
         import transformers
     except ImportError:
@@ -80,6 +98,11 @@ def _pretrained(model: Any, caller: str) -> Any:
             "package (pip install 'transformers>=4.35'); for any other model use "
             "ckpt_graph.wrap(model)"
         ) from None
+    return transformers
+
+
+def _pretrained(model: Any, caller: str) -> Any:
+    transformers = _transformers(caller)
     if not isinstance(model, transformers.PreTrainedModel):
         raise CkptGraphTypeError(
             f"ckpt_graph: integrations.transformers.{caller}() takes a transformers "
@@ -93,7 +116,10 @@ def enable(model: torch.nn.Module, policy: Any = "recompute_all", every_n_layers
 
     Each checkpointed layer's forward runs in its own region (``ckpt_graph.checkpoint``) in
     training mode (``model.train()``), as transformers' own gradient checkpointing does. See
-    Note [HF checkpoint function].
+    Note [HF checkpoint function]. Later calls of the model's ``gradient_checkpointing_enable``
+    / ``activation_checkpointing_enable`` (the HF ``Trainer`` makes one with
+    ``gradient_checkpointing=True``) install ckpt_graph again, with the ``policy`` key of their
+    kwargs if given: see Note [Surviving gradient_checkpointing_enable].
 
     Args:
         model: a ``transformers.PreTrainedModel`` whose class supports gradient checkpointing.
@@ -112,22 +138,72 @@ def enable(model: torch.nn.Module, policy: Any = "recompute_all", every_n_layers
     Example:
         >>> from ckpt_graph.integrations import transformers as cg_hf
         >>> model = cg_hf.enable(GPT2LMHeadModel(config))
+        >>> Trainer(model, TrainingArguments(..., gradient_checkpointing=True)).train()  # regions
         >>> model.train(); model(ids, labels=ids).loss.backward()
     """
     pretrained = _pretrained(model, "enable")
-    if every_n_layers < 1:
-        raise CkptGraphValueError(f"ckpt_graph: every_n_layers must be >= 1, got {every_n_layers}")
     if not getattr(pretrained, "supports_gradient_checkpointing", False):
         raise CkptGraphValueError(
             f"ckpt_graph: {type(model).__name__} does not support gradient checkpointing "
             "(supports_gradient_checkpointing is False); use ckpt_graph.wrap(model) instead"
         )
-    pretrained._set_gradient_checkpointing(
+    _install(pretrained, policy, every_n_layers, {})
+    setattr(pretrained, _POLICY_ATTR, policy)
+    for name in _ENTRY_POINTS:  # See Note [Surviving gradient_checkpointing_enable]
+        if hasattr(type(pretrained), name):
+            setattr(pretrained, name, types.MethodType(_enable_from_hf, pretrained))
+    return model
+
+
+_CHECKPOINT_KEYWORDS = frozenset(
+    {
+        "use_reentrant",
+        "preserve_rng_state",
+        "context_fn",
+        "determinism_check",
+        "debug",
+        "early_stop",
+    }
+)
+
+
+def _install(model: Any, policy: Any, every_n_layers: int, options: dict[str, Any]) -> None:
+    if every_n_layers < 1:
+        raise CkptGraphValueError(f"ckpt_graph: every_n_layers must be >= 1, got {every_n_layers}")
+    unknown = sorted(set(options) - _CHECKPOINT_KEYWORDS)
+    if unknown:
+        raise CkptGraphError(
+            f"ckpt_graph: gradient_checkpointing_kwargs {unknown} of {type(model).__name__} are "
+            "not checkpoint keywords; ckpt_graph takes 'policy' and torch's "
+            f"{sorted(_CHECKPOINT_KEYWORDS)}: remove the others"
+        )
+    model._set_gradient_checkpointing(
         enable=True,
-        gradient_checkpointing_func=HFCheckpointFunction(policy),
+        gradient_checkpointing_func=HFCheckpointFunction(policy, **options),
         every_n_layers=every_n_layers,
     )
-    return model
+
+
+def _enable_from_hf(
+    model: Any,
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None,
+    every_n_layers: int = 1,
+    offload: bool = False,
+    activation_checkpointing_kwargs: dict[str, Any] | None = None,
+) -> None:
+    """The model's ``gradient_checkpointing_enable`` / ``activation_checkpointing_enable`` after
+    ``enable``: install ckpt_graph regions. See Note [Surviving gradient_checkpointing_enable].
+    """
+    options = dict(gradient_checkpointing_kwargs or activation_checkpointing_kwargs or {})
+    policy = options.pop("policy", getattr(model, _POLICY_ATTR, "recompute_all"))
+    every_n_layers = options.pop("every_n_layers", every_n_layers)
+    if options.pop("offload", offload):
+        raise CkptGraphError(
+            f"ckpt_graph: {type(model).__name__} checkpoints through ckpt_graph, which does not "
+            "take offload=True; offload kept values with a policy instead: "
+            "gradient_checkpointing_kwargs={'policy': ckpt_graph.policies.offload(...)}"
+        )
+    _install(model, policy, every_n_layers, options)
 
 
 def disable(model: torch.nn.Module) -> Any:
@@ -137,7 +213,10 @@ def disable(model: torch.nn.Module) -> Any:
         >>> cg_hf.disable(model).is_activation_checkpointing
         False
     """
-    _pretrained(model, "disable")._set_gradient_checkpointing(enable=False)
+    pretrained = _pretrained(model, "disable")
+    for name in (*_ENTRY_POINTS, _POLICY_ATTR):
+        pretrained.__dict__.pop(name, None)
+    pretrained._set_gradient_checkpointing(enable=False)
     return model
 
 
@@ -153,3 +232,77 @@ def is_enabled(model: torch.nn.Module) -> bool:
         and isinstance(getattr(m, "_gradient_checkpointing_func", None), HFCheckpointFunction)
         for m in model.modules()
     )
+
+
+def check(model: torch.nn.Module) -> bool:
+    """Warn if a model ``enable`` was called on now checkpoints with another function.
+
+    See Note [Surviving gradient_checkpointing_enable], rule 4.
+
+    Returns:
+        Whether the model is as ``enable`` left it (or was never enabled).
+
+    Example:
+        >>> cg_hf.enable(model)
+        >>> model._set_gradient_checkpointing(True)  # torch.utils.checkpoint again
+        >>> cg_hf.check(model)  # warns, returns False
+        False
+    """
+    if _POLICY_ATTR not in model.__dict__:
+        return True
+    foreign = {
+        getattr(m, "_gradient_checkpointing_func", None)
+        for m in model.modules()
+        if getattr(m, "gradient_checkpointing", False)
+        and not isinstance(getattr(m, "_gradient_checkpointing_func", None), HFCheckpointFunction)
+    }
+    if not foreign:
+        return True
+    names = sorted(getattr(f, "__qualname__", None) or repr(f) for f in foreign)
+    warnings.warn(
+        f"ckpt_graph: {type(model).__name__} was enabled with "
+        f"ckpt_graph.integrations.transformers.enable(), but its layers now checkpoint with "
+        f"{', '.join(names)}, which replaced ckpt_graph's function; call enable(model) again "
+        "after whatever replaced it (or gradient_checkpointing_enable(), which enable() routes "
+        "to ckpt_graph)",
+        UserWarning,
+        stacklevel=2,
+    )
+    return False
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CheckpointCallback":  # a TrainerCallback subclass: transformers imported now
+        cls = _callback_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _callback_class() -> type:
+    base: type = _transformers("CheckpointCallback").TrainerCallback
+
+    class CheckpointCallback(base):  # type: ignore[misc,valid-type]
+        """A ``TrainerCallback`` that makes the model train with ckpt_graph regions.
+
+        At the start of training it calls ``enable(model, policy)`` if ``policy`` is given
+        (so ``gradient_checkpointing=True`` is not needed), then ``check(model)``, which
+        warns if something replaced ckpt_graph's checkpoint function.
+
+        Example:
+            >>> trainer = Trainer(model, args, callbacks=[cg_hf.CheckpointCallback("recompute_all")])
+        """
+
+        def __init__(self, policy: Any = None, every_n_layers: int = 1) -> None:
+            self.policy = policy
+            self.every_n_layers = every_n_layers
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            model = kwargs.get("model")
+            if model is None:
+                return
+            if self.policy is not None and not is_enabled(model):
+                enable(model, self.policy, self.every_n_layers)
+            check(model)
+
+    return CheckpointCallback

@@ -127,6 +127,11 @@ def _resolve(policy: PolicyLike, where: str) -> Callable[..., Answer]:
             f"ckpt_graph: {where}: expected a policy (a callable or 'recompute_all' / 'must_save_all'), "
             f"got {policy!r} of type {type(policy).__name__}"
         )
+    from ckpt_graph.engine.decisions import adapt_torch_sac, has_torch_sac_signature
+
+    # See Note [torch SAC policies passed as ckpt_graph policies]
+    if has_torch_sac_signature(policy):
+        return adapt_torch_sac(policy)
     return policy
 
 
