@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument(
         "--strategies",
         default=",".join(DEFAULT_STRATEGIES),
-        help="comma-separated list (default: all); none is always run as the reference",
+        help="comma-separated list (default: all but cg-policy, which --policy adds); none is "
+        "always run as the reference",
     )
     cmp.add_argument("--seed", type=int, default=0, help="seed for weights and batch")
     # Note [One thread by default]
