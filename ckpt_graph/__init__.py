@@ -5,7 +5,22 @@ rest on demand in backward, with gradients identical to a run without checkpoint
 """
 
 import importlib
+import os
+import sys
+import warnings
 from typing import TYPE_CHECKING, Any
+
+# Note [Foreign warnings in the command]
+# ``python -m ckpt_graph`` / ``ckpt-graph`` import this package before their own code runs, and
+# with it torch, which warns "Failed to initialize NumPy" in an environment without NumPy (the
+# command does not need it). That warning is not ours and says nothing the user must fix, so
+# the command's own import of torch ignores it. The check is on ``sys.argv[0]``: ``"-m"`` while
+# ``python -m`` imports the package it runs, the script path for the console script. Library
+# users importing ckpt_graph still see torch's warnings unchanged.
+if getattr(sys, "argv", [""])[:1] == ["-m"] or os.path.basename(sys.argv[0]) == "ckpt-graph":
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+        import torch  # noqa: F401
 
 from torch.utils.checkpoint import CheckpointPolicy
 

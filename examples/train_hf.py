@@ -1,7 +1,10 @@
 """Train a tiny HuggingFace model with ckpt_graph as its gradient checkpointing (CPU, under a minute).
 
 The model is built from a small config (random init, nothing downloaded) and learns a synthetic
-task: continue a random sequence that repeats with period 8. ``--mode enable`` turns on the
+task: continue an arithmetic sequence modulo the vocabulary (random start, random stride 1-3).
+Only the first two tokens of a sequence are unpredictable, so the loss falls from chance level
+(ln 64 = 4.16) to about 0.4 within the default 30 steps; the script prints both. ``--mode
+enable`` turns on the
 model's own gradient checkpointing with ckpt_graph regions (one region per decoder layer);
 ``--mode wrap`` uses ``ckpt_graph.wrap`` instead (any nn.Module); ``--mode none`` trains without
 checkpointing. At the end the script measures the peak memory of one training step with and
@@ -16,6 +19,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -24,13 +28,19 @@ import torch
 from ckpt_graph.integrations.wrap import unwrap, wrap
 from ckpt_graph.memory import measure
 
-VOCAB, SEQ, PERIOD = 64, 64, 8
+VOCAB, SEQ = 64, 64
 
 
 def build(kind: str) -> Any:
     import transformers
 
-    common: dict[str, Any] = {"vocab_size": VOCAB, "use_cache": False}
+    # Special token ids inside the tiny vocabulary: transformers warns about the defaults (50256).
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "use_cache": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
     if kind == "gpt2":
         cfg: Any = transformers.GPT2Config(
             n_positions=SEQ, n_embd=64, n_layer=4, n_head=4, **common
@@ -49,10 +59,12 @@ def build(kind: str) -> Any:
 
 
 def batches(batch: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
-    """Random sequences of period PERIOD: after one period the rest is predictable."""
+    """Arithmetic sequences modulo VOCAB: from the third token on, each one is predictable."""
+    positions = torch.arange(SEQ)
     while True:
-        head = torch.randint(0, VOCAB, (batch, PERIOD), generator=gen)
-        yield head.repeat(1, SEQ // PERIOD)
+        start = torch.randint(0, VOCAB, (batch, 1), generator=gen)
+        stride = torch.randint(1, 4, (batch, 1), generator=gen)
+        yield (start + stride * positions) % VOCAB
 
 
 def progress(steps: int) -> tuple[Iterable[int], Callable[[str], None]]:
@@ -85,7 +97,7 @@ def main() -> None:
         cg_hf.enable(model, policy="recompute_all")
     elif args.mode == "wrap":
         wrap(model)  # the decoder layers (children of the ModuleList)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = batches(args.batch, torch.Generator().manual_seed(1))
 
     def step(ids: torch.Tensor) -> float:
@@ -96,11 +108,17 @@ def main() -> None:
         return float(loss.detach())
 
     steps, show = progress(args.steps)
+    losses = []
     for i in steps:
-        loss = step(next(data))
+        losses.append(step(next(data)))
         if isinstance(steps, range) and i % 10 != 9:
             continue
-        show(f"step {i + 1} loss {loss:.3f}")
+        show(f"step {i + 1} loss {losses[-1]:.3f}")
+    last = sum(losses[-5:]) / len(losses[-5:])
+    print(
+        f"loss: {losses[0]:.3f} at step 1, {last:.3f} over the last 5 steps "
+        f"(chance level ln({VOCAB}) = {math.log(VOCAB):.3f})"
+    )
 
     ids = next(data)
     peak = measure(step, ids).peak_bytes

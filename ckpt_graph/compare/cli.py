@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
-from typing import NoReturn, TextIO
+from typing import Any, NoReturn, TextIO
 
 import torch
 
+import ckpt_graph
 from ckpt_graph._errors import CkptGraphValueError
 from ckpt_graph.compare.output import format_table, have_matplotlib, plot, write_json
 from ckpt_graph.compare.runner import DEFAULT_STRATEGIES, STRATEGIES, run_comparison
+from ckpt_graph.compare.strategies import DEFAULT_BUDGET, POLICY_NAMES
 from ckpt_graph.compare.zoo import DEFAULTS, MODELS, WorkloadError, estimate_bytes
 
 _DTYPES = {
@@ -51,6 +55,11 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``ckpt-graph`` (subcommand ``compare``)."""
     parser = _Parser(prog="ckpt-graph", description="Activation checkpointing, compared.")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"ckpt-graph {ckpt_graph.__version__} (torch {torch.__version__})",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     cmp = sub.add_parser(
         "compare",
@@ -77,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument(
         "--strategies",
         default=",".join(DEFAULT_STRATEGIES),
-        help="comma-separated list (default: all); none is always run as the reference",
+        help="comma-separated list (default: all but cg-policy, which --policy adds); none is "
+        "always run as the reference",
     )
     cmp.add_argument("--seed", type=int, default=0, help="seed for weights and batch")
     # Note [One thread by default]
@@ -92,11 +102,87 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="torch intra-op threads (default 1, steady timings; 0: torch's default)",
     )
+    cmp.add_argument(
+        "--budget",
+        default=None,
+        help="memory budget of cg-budget (and of --policy memory_budget): a fraction of the "
+        f"activation memory in (0, 1], or bytes such as 64MiB (default {DEFAULT_BUDGET})",
+    )
+    cmp.add_argument(
+        "--policy",
+        default=None,
+        help=f"run strategy cg-policy: one region with this built-in policy, one of "
+        f"{', '.join(POLICY_NAMES)}",
+    )
     cmp.add_argument("--json", metavar="PATH", help="write all figures and machine info as JSON")
-    cmp.add_argument("--plot", metavar="PATH.png", help="plot peak memory vs step time")
+    cmp.add_argument(
+        "--plot", metavar="PATH.png", help="plot peak memory vs step time (png, pdf, svg, ...)"
+    )
     cmp.add_argument("--no-count", action="store_true", help="skip counting recomputed ops")
-    cmp.add_argument("--quiet", action="store_true", help="no progress output")
+    cmp.add_argument(
+        "--quiet", action="store_true", help="no progress bar (there is none when not a TTY)"
+    )
+    cmp.add_argument(
+        "--verbose", action="store_true", help="log planner decisions and timings to stderr"
+    )
     return parser
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30})
+
+
+def parse_budget(text: str) -> float | int:
+    """``--budget``: a fraction in (0, 1] (``"0.5"``) or bytes (``"300000"``, ``"64MiB"``).
+
+    Raises:
+        UsageError: anything else.
+
+    Example:
+        >>> parse_budget("0.25"), parse_budget("2KiB")
+        (0.25, 2048)
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else ""
+    if m is None or unit not in _UNITS:
+        raise UsageError(
+            f"--budget {text!r}: give a fraction in (0, 1] such as 0.5, or bytes such as "
+            "300000 or 64MiB (units B, KB, MB, GB, KiB, MiB, GiB)"
+        )
+    value = float(m.group(1))
+    if not m.group(2) and 0.0 < value <= 1.0:
+        return value
+    if value <= 1.0 or value * _UNITS[unit] != int(value * _UNITS[unit]):
+        raise UsageError(
+            f"--budget {text!r}: a fraction must be in (0, 1] and a byte count a whole number "
+            "above 1"
+        )
+    return int(value * _UNITS[unit])
+
+
+def _check_output_path(option: str, path: str | None, formats: Sequence[str] = ()) -> None:
+    """Fail before anything runs if ``path`` cannot be written (or has an unknown format)."""
+    if not path:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{option} {path}: is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise UsageError(f"{option} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"{option} {path}: not writable")
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if formats and ext not in formats:
+        raise UsageError(
+            f"{option} {path}: unknown format {ext or '(no extension)'!r}; use one of "
+            f"{', '.join(sorted(formats))}"
+        )
+
+
+def _plot_formats() -> list[str]:
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return list(FigureCanvasBase.get_supported_filetypes())
 
 
 def _check_args(args: argparse.Namespace) -> dict[str, object]:
@@ -148,10 +234,25 @@ def _check_args(args: argparse.Namespace) -> dict[str, object]:
         )
     if args.plot and not have_matplotlib():
         raise UsageError("--plot needs matplotlib (pip install matplotlib)")
-    for option, path in (("--json", args.json), ("--plot", args.plot)):
-        parent = os.path.dirname(os.path.abspath(path)) if path else ""
-        if path and not os.path.isdir(parent):
-            raise UsageError(f"{option} {path}: directory {parent} does not exist")
+    _check_output_path("--json", args.json)
+    _check_output_path("--plot", args.plot, _plot_formats() if args.plot else ())
+    if args.policy is not None:
+        if args.policy not in POLICY_NAMES:
+            raise UsageError(
+                f"unknown policy {args.policy!r}; choose from {', '.join(POLICY_NAMES)}"
+            )
+        if "cg-policy" not in strategies:
+            strategies.append("cg-policy")
+    elif "cg-policy" in strategies:
+        raise UsageError("strategy cg-policy needs --policy NAME")
+    budget: float | int = DEFAULT_BUDGET
+    if args.budget is not None:
+        budget = parse_budget(args.budget)
+        if "cg-budget" not in strategies and args.policy != "memory_budget":
+            raise UsageError(
+                "--budget applies to strategy cg-budget or --policy memory_budget; add "
+                "cg-budget to --strategies"
+            )
     return {
         "model": args.model,
         **sizes,
@@ -163,6 +264,8 @@ def _check_args(args: argparse.Namespace) -> dict[str, object]:
         "seed": args.seed,
         "count_ops": not args.no_count,
         "threads": args.threads or None,
+        "budget": budget,
+        "policy": args.policy or "save_matmuls",
     }
 
 
@@ -182,31 +285,54 @@ def _available_bytes(device: torch.device) -> int | None:
         return None
 
 
+def _log_to_stderr() -> None:
+    """Show the ``ckpt_graph`` logger's INFO records (planner decisions, timings) on stderr."""
+    logger = logging.getLogger("ckpt_graph")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def _fail(message: str) -> int:
     print(f"ckpt-graph: error: {message}", file=sys.stderr)
     return 2
 
 
 class Progress:
-    """Progress on a stream: a bar redrawn in place on a terminal, one line per step otherwise."""
+    """A progress bar with an ETA (tqdm) on a terminal stream; nothing on other streams.
 
-    def __init__(self, stream: TextIO) -> None:
+    Example:
+        >>> progress = Progress(sys.stderr)
+        >>> progress(1, 10, "gpt: none warm-up"); progress.close()
+    """
+
+    def __init__(self, stream: TextIO, mininterval: float = 0.5) -> None:
         self.stream = stream
         self.tty = stream.isatty()
+        self.mininterval = mininterval  # seconds between redraws
+        self._bar: Any = None
 
     def __call__(self, done: int, total: int, label: str) -> None:
-        if self.tty:
-            filled = 24 * done // max(total, 1)
-            bar = "#" * filled + "-" * (24 - filled)
-            self.stream.write(f"\r[{bar}] {done}/{total} {label:<40.40}")
-        else:
-            self.stream.write(f"[{done:>3}/{total}] {label}\n")
-        self.stream.flush()
+        if not self.tty:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=total,
+                file=self.stream,
+                leave=False,
+                unit="step",
+                mininterval=self.mininterval,
+            )
+        self._bar.set_description_str(label[:40], refresh=False)
+        self._bar.update(done - self._bar.n)
 
     def close(self) -> None:
-        if self.tty:
-            self.stream.write("\r" + " " * 80 + "\r")
-            self.stream.flush()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -228,6 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = _check_args(args)
     except UsageError as e:
         return _fail(str(e))
+    if args.verbose:
+        _log_to_stderr()
     progress = None if args.quiet else Progress(sys.stderr)
     try:
         results = run_comparison(
@@ -241,12 +369,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress.close()
     use_rich = sys.stdout.isatty() and importlib.util.find_spec("rich") is not None
     print(format_table(results, config, rich=use_rich))
-    if args.json:
-        write_json(args.json, results, config)
-        print(f"wrote {args.json}", file=sys.stderr)
-    if args.plot:
-        plot(args.plot, results, config)
-        print(f"wrote {args.plot}", file=sys.stderr)
+    try:  # the paths were checked before the run; this catches what changed since
+        if args.json:
+            write_json(args.json, results, config)
+            print(f"wrote {args.json}", file=sys.stderr)
+        if args.plot:
+            plot(args.plot, results, config)
+            print(f"wrote {args.plot}", file=sys.stderr)
+    except OSError as e:
+        return _fail(f"cannot write {e.filename}: {e.strerror}")
     bad = [r.strategy for r in results if r.status == "failed" or (r.max_grad_diff or 0) != 0]
     if bad:
         print(f"ckpt-graph: {', '.join(bad)} failed or changed the gradients", file=sys.stderr)

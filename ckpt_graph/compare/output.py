@@ -174,7 +174,11 @@ def write_json(path: str, results: Sequence[StrategyResult], config: Mapping[str
     """Write every figure, the configuration and the machine info to ``path`` as JSON."""
     doc = {
         "schema": "ckpt_graph.compare/1",
-        "machine": machine_info(),
+        # the threads the run used (it restores torch's setting when it ends)
+        "machine": {
+            **machine_info(),
+            "torch_threads": config["threads"] or torch.get_num_threads(),
+        },
         "config": {**config, "dtype": str(config["dtype"]).removeprefix("torch.")},
         "strategies": {r.strategy: STRATEGIES[r.strategy] for r in results},
         "results": [

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
 import math
 import statistics
 import time
@@ -25,6 +26,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from ckpt_graph._errors import CkptGraphValueError
 from ckpt_graph.compare.strategies import (
+    DEFAULT_BUDGET,
     DEFAULT_STRATEGIES,
     STRATEGIES,
     StrategySkipped,
@@ -35,6 +37,7 @@ from ckpt_graph.compare.strategies import (
 from ckpt_graph.compare.zoo import Workload, WorkloadError, build_workload
 
 aten = torch.ops.aten
+_log = logging.getLogger(__name__)  # "ckpt_graph.compare.runner": timings, at INFO (cli --verbose)
 
 __all__ = [
     "DEFAULT_STRATEGIES",
@@ -152,6 +155,8 @@ def run_comparison(
     seed: int = 0,
     count_ops: bool = True,
     threads: int | None = None,
+    budget: float | int = DEFAULT_BUDGET,
+    policy: str = "save_matmuls",
     measure: Callable[..., Any] | None = None,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> list[StrategyResult]:
@@ -170,6 +175,8 @@ def run_comparison(
         seed: seed for weights, batch and every step.
         count_ops: also count the aten ops and FLOPs of one step (extra_ops / extra_flops).
         threads: torch intra-op threads during the run (restored after); None keeps torch's.
+        budget: memory_budget of cg-budget (fraction of the activation memory, or bytes).
+        policy: the built-in policy of cg-policy (one of ``POLICY_NAMES``).
         measure: ``measure(fn, device=device) -> report`` with ``report.peak_bytes``; default
             ``ckpt_graph.memory.measure`` (peak memory is left out when it is not importable).
         progress: called as ``progress(done, total, label)`` while running.
@@ -213,6 +220,7 @@ def run_comparison(
             count_ops,
             measure,
             progress,
+            {"budget": budget, "policy_name": policy},
         )
     finally:
         torch.set_num_threads(saved_threads)
@@ -227,6 +235,7 @@ def _run(
     count_ops: bool,
     measure: Callable[..., Any] | None,
     progress: Callable[[int, int, str], None] | None,
+    options: dict[str, Any],
 ) -> list[StrategyResult]:
     device = build["device"]
     if measure is None:
@@ -255,7 +264,7 @@ def _run(
         fig: dict[str, Any] = {"strategy": name, "status": "ok"}
         partial[name] = fig
         try:
-            forward = make_forward(name, w)
+            forward = make_forward(name, w, **options)
             _step(w, forward)  # warm-up
             tick(f"{name}: warm-up")
             w.model.load_state_dict(initial)
@@ -274,8 +283,10 @@ def _run(
                 ref.update(grads=grads, buffers=buffers)
             fig["max_grad_diff"] = _max_diff(grads, ref["grads"])
             fig["max_buffer_diff"] = _max_diff(buffers, ref["buffers"])
+            _log.info("%s: measured step, peak %s bytes", name, fig.get("peak_bytes", "?"))
             if note := _policy_note(forward):
                 fig["note"] = note
+                _log.info("%s: %s", name, note)
             if count_ops:
                 w.model.load_state_dict(initial)
                 torch.manual_seed(seed)
@@ -314,6 +325,7 @@ def _run(
             sync()
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
+            _log.info("%s: timed step %d/%d: %.1f ms", name, r + 1, repeat, 1e3 * times[name][-1])
             tick(f"{name}: timed step {r + 1}/{repeat}")
     for p in params:
         p.grad = None

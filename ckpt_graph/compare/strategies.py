@@ -26,7 +26,14 @@ from torch.utils.checkpoint import (
 from ckpt_graph._errors import CkptGraphValueError
 from ckpt_graph.compare.zoo import Workload
 
-__all__ = ["DEFAULT_STRATEGIES", "STRATEGIES", "StrategySkipped", "make_forward"]
+__all__ = [
+    "DEFAULT_BUDGET",
+    "DEFAULT_STRATEGIES",
+    "POLICY_NAMES",
+    "STRATEGIES",
+    "StrategySkipped",
+    "make_forward",
+]
 
 aten = torch.ops.aten
 
@@ -39,9 +46,15 @@ STRATEGIES: dict[str, str] = {
     "cg-block": "ckpt_graph region per block, recompute_all",
     "cg-sqrt": "ckpt_graph one region, every k=sqrt(N)-th block output kept",
     "cg-matmuls": "ckpt_graph one region, policies.save_matmuls()",
-    "cg-budget": "ckpt_graph one region, policies.memory_budget(0.5)",
+    "cg-budget": "ckpt_graph one region, policies.memory_budget(--budget, default 0.5)",
+    "cg-policy": "ckpt_graph one region, the built-in policy named by --policy",
 }
-DEFAULT_STRATEGIES: tuple[str, ...] = tuple(STRATEGIES)
+# cg-policy runs only when asked for (``--policy NAME`` adds it).
+DEFAULT_STRATEGIES: tuple[str, ...] = tuple(s for s in STRATEGIES if s != "cg-policy")
+
+# Built-in policies ``--policy`` can name; memory_budget takes ``--budget``.
+POLICY_NAMES: tuple[str, ...] = ("recompute_all", "must_save_all", "save_matmuls", "memory_budget")
+DEFAULT_BUDGET = 0.5
 
 # Ops kept by the torch-sac strategy: the families of ckpt_graph.policies.save_matmuls
 # (matmuls, convolutions, fused attention) so that torch-sac and cg-matmuls keep the same values
@@ -143,8 +156,18 @@ def _sac_policy(ctx: object, op: object, *args: object, **kwargs: object) -> Che
     )
 
 
-def make_forward(name: str, w: Workload) -> _Forward:
+def make_forward(
+    name: str,
+    w: Workload,
+    *,
+    budget: float | int = DEFAULT_BUDGET,
+    policy_name: str = "save_matmuls",
+) -> _Forward:
     """Return a function running one forward of ``w`` under strategy ``name``.
+
+    ``budget`` is the memory_budget of cg-budget (and of cg-policy with ``memory_budget``): a
+    fraction of the activation memory without checkpointing, or bytes. ``policy_name`` is
+    cg-policy's built-in, one of :data:`POLICY_NAMES`.
 
     Raises:
         StrategySkipped: the strategy needs something missing here.
@@ -200,16 +223,24 @@ def make_forward(name: str, w: Workload) -> _Forward:
             return fwd
 
         return per_block(region_wrap)
-    if name in ("cg-sqrt", "cg-matmuls", "cg-budget"):
+    if name in ("cg-sqrt", "cg-matmuls", "cg-budget", "cg-policy"):
         cg = _core()
+        k = 0
+        policy: object = "recompute_all"
         if name == "cg-sqrt":
-            policy: object = "recompute_all"
             k = _sqrt_k(len(blocks))
+        elif name == "cg-matmuls":
+            policy = _policy("save_matmuls")
+        elif name == "cg-budget" or policy_name == "memory_budget":
+            policy = _policy("memory_budget", budget)
+        elif policy_name == "save_matmuls":
+            policy = _policy("save_matmuls")
+        elif policy_name in POLICY_NAMES:
+            policy = policy_name
         else:
-            policy = (
-                _policy("save_matmuls") if name == "cg-matmuls" else _policy("memory_budget", 0.5)
+            raise ValueError(
+                f"unknown policy {policy_name!r}; choose from {', '.join(POLICY_NAMES)}"
             )
-            k = 0
 
         def tag_wrap(i: int, f: Callable[..., Any]) -> Callable[..., Any] | None:
             # Keep every k-th block output and the last one: torch-sqrt's segment inputs,

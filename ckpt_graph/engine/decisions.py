@@ -116,7 +116,7 @@ def normalize_policy(policy: Any) -> PolicyFn:
 #   1. exactly two positional parameters before ``*args``, the second not named ``out``, is
 #      torch's signature; ``(ctx, out, *args)`` is not (``out`` says which convention it uses);
 #   2. such a policy is adapted as ``policies.from_torch_sac(policy)`` would, with a warning
-#      (shown once per policy name by Python's default warning filter) naming the fix;
+#      (shown once per policy and call site by Python's default warning filter) naming the fix;
 #   3. plain functions are read from their code object (no ``inspect`` on the common path);
 #      other callables through ``inspect.signature``; ckpt_graph's own policy objects
 #      (``policies.Policy``) and callables without a readable signature are taken as they are.
