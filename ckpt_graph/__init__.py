@@ -59,7 +59,10 @@ __all__ = [
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from ckpt_graph import analysis, grads, integrations, nn
+    from ckpt_graph import analysis as analysis
+    from ckpt_graph import grads as grads
+    from ckpt_graph import integrations as integrations
+    from ckpt_graph import nn as nn
 
 # Submodules that import more (networkx, transformers through integrations) load on first
 # attribute access: `import ckpt_graph as cg; cg.grads.FlatGrads` works without an import of

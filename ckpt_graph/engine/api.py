@@ -19,6 +19,7 @@ from ckpt_graph._errors import CkptGraphError, CkptGraphTypeError
 from ckpt_graph.engine.decisions import normalize_policy
 from ckpt_graph.engine.realize import parse_cache_limit
 from ckpt_graph.engine.region import Region, current_region
+from ckpt_graph.engine.torch_sac import TorchSACPolicy
 
 __all__ = ["checkpoint", "save_recompute_policy", "tag_with_policy"]
 
@@ -231,9 +232,7 @@ def _policy_from_context_fn(context_fn: Callable[[], Any] | None) -> Any:
             "policy=ckpt_graph.policies.from_torch_sac(policy_fn) instead, or enter the "
             "context managers inside the checkpointed function"
         )
-    from ckpt_graph.policies.compose import from_torch_sac  # late: policies build on the engine
-
-    return from_torch_sac(policy_fn)
+    return TorchSACPolicy(policy_fn)
 
 
 def tag_with_policy(tensor: torch.Tensor, policy: CheckpointPolicy | bool) -> torch.Tensor:

@@ -25,9 +25,6 @@
 
 from __future__ import annotations
 
-import inspect
-import types
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -98,77 +95,15 @@ def normalize_policy(policy: Any) -> PolicyFn:
                 "callable policy(ctx, out, op, *args, **kwargs) -> CheckpointPolicy | bool | None"
             ) from None
     if callable(policy):
-        if not isinstance(policy, _ConstantPolicy) and has_torch_sac_signature(policy):
-            return adapt_torch_sac(policy)
-        return policy  # type: ignore[no-any-return]
+        if not isinstance(policy, _ConstantPolicy):
+            from ckpt_graph.engine.torch_sac import adapt_if_torch_sac  # late: it imports us
+
+            return adapt_if_torch_sac(policy)
+        return policy
     raise CkptGraphTypeError(
         f"ckpt_graph: a policy must be a name or a callable "
         f"policy(ctx, out, op, *args, **kwargs), got {type(policy).__name__}"
     )
-
-
-# Note [torch SAC policies passed as ckpt_graph policies]
-# A torch selective-checkpoint policy is ``policy_fn(ctx, op, *args, **kwargs)``; a ckpt_graph
-# policy gets the op's output first: ``policy(ctx, out, op, *args, **kwargs)``. Called the
-# ckpt_graph way, a SAC policy sees the output where it expects the op, matches no op, and
-# answers "recompute" for everything: a silent change of what is kept. Where a policy is
-# accepted (``normalize_policy``, the combinators' ``_resolve``) its signature is inspected:
-#   1. exactly two positional parameters before ``*args``, the second not named ``out``, is
-#      torch's signature; ``(ctx, out, *args)`` is not (``out`` says which convention it uses);
-#   2. such a policy is adapted as ``policies.from_torch_sac(policy)`` would, with a warning
-#      (shown once per policy and call site by Python's default warning filter) naming the fix;
-#   3. plain functions are read from their code object (no ``inspect`` on the common path);
-#      other callables through ``inspect.signature``; ckpt_graph's own policy objects
-#      (``policies.Policy``) and callables without a readable signature are taken as they are.
-# A policy with ``*args`` only (``lambda *a: ...``) cannot be told apart and is not adapted.
-
-
-def has_torch_sac_signature(policy: Any) -> bool:
-    """Whether ``policy`` is written as ``(ctx, op, *args, **kwargs)``.
-
-    See Note [torch SAC policies passed as ckpt_graph policies].
-    """
-    fn = policy.__func__ if isinstance(policy, types.MethodType) else policy
-    if isinstance(fn, types.FunctionType):
-        code = fn.__code__
-        if not code.co_flags & inspect.CO_VARARGS:
-            return False
-        names = code.co_varnames[: code.co_argcount]
-        if fn is not policy:  # a bound method: ``self`` is not a policy argument
-            names = names[1:]
-    else:
-        from ckpt_graph.policies.builtins import Policy
-
-        if isinstance(policy, Policy):
-            return False
-        try:
-            params = list(inspect.signature(policy).parameters.values())
-        except (TypeError, ValueError):
-            return False
-        if not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
-            return False
-        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        names = tuple(p.name for p in params if p.kind in positional)
-    return len(names) == 2 and names[1] != "out"
-
-
-def adapt_torch_sac(policy: Any) -> PolicyFn:
-    """``policies.from_torch_sac(policy)``, with the warning that it was needed.
-
-    See Note [torch SAC policies passed as ckpt_graph policies].
-    """
-    from ckpt_graph.policies.compose import from_torch_sac  # late: _compose builds on this module
-
-    name = policy_name(policy)
-    warnings.warn(
-        f"ckpt_graph: policy {name} has torch's selective-checkpoint signature "
-        "(ctx, op, *args, **kwargs), not ckpt_graph's (ctx, out, op, *args, **kwargs); it is "
-        f"used as policies.from_torch_sac({name}). Pass policies.from_torch_sac({name}) "
-        "yourself, or add the `out` parameter, to silence this warning",
-        UserWarning,
-        stacklevel=4,
-    )
-    return from_torch_sac(policy)
 
 
 def policy_name(policy: PolicyFn) -> str:

@@ -24,6 +24,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphTypeError
+from ckpt_graph.engine.torch_sac import adapt_if_torch_sac
 
 __all__ = [
     "Answer",
@@ -127,12 +128,8 @@ def _resolve(policy: PolicyLike, where: str) -> Callable[..., Answer]:
             f"ckpt_graph: {where}: expected a policy (a callable or 'recompute_all' / 'must_save_all'), "
             f"got {policy!r} of type {type(policy).__name__}"
         )
-    from ckpt_graph.engine.decisions import adapt_torch_sac, has_torch_sac_signature
-
     # See Note [torch SAC policies passed as ckpt_graph policies]
-    if has_torch_sac_signature(policy):
-        return adapt_torch_sac(policy)
-    return policy
+    return adapt_if_torch_sac(policy)
 
 
 class _OpSet:

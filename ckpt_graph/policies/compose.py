@@ -17,7 +17,7 @@ from torch._ops import OpOverload
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
-from ckpt_graph.engine.decisions import PROTOCOL_NAMES
+from ckpt_graph.engine.torch_sac import TorchSACPolicy
 from ckpt_graph.policies.builtins import Answer, Policy, PolicyLike, _normalise, _resolve, save_ops
 
 __all__ = ["any_save", "first_answer", "from_torch_sac"]
@@ -103,16 +103,6 @@ def _forward_event(policies: Iterable[object], name: str, region: Any) -> None:
             method(region)
 
 
-class _TorchSACContext:
-    """The part of torch's ``SelectiveCheckpointContext`` a SAC policy may read."""
-
-    __slots__ = ("is_recompute", "op_output")
-
-    def __init__(self, op_output: Any) -> None:
-        self.is_recompute = False  # ckpt_graph calls policies in forward only
-        self.op_output = op_output
-
-
 class from_torch_sac(Policy):
     """Adapt a ``torch.utils.checkpoint`` selective-checkpoint policy or op list.
 
@@ -138,12 +128,12 @@ class from_torch_sac(Policy):
     """
 
     def __init__(self, policy_fn_or_op_list: Callable[..., Answer] | Iterable[Any]) -> None:
-        self._fn: Callable[..., Answer] | None = None
+        self._fn: TorchSACPolicy | None = None
         self._ops: save_ops | None = None
         if isinstance(policy_fn_or_op_list, list | tuple):
             self._ops = save_ops(*policy_fn_or_op_list)
         elif callable(policy_fn_or_op_list):
-            self._fn = policy_fn_or_op_list
+            self._fn = TorchSACPolicy(policy_fn_or_op_list)
         else:
             raise CkptGraphTypeError(
                 "ckpt_graph: from_torch_sac: expected a SAC policy function (ctx, op, *args, **kwargs) or a "
@@ -154,15 +144,10 @@ class from_torch_sac(Policy):
         if self._ops is not None:
             return self._ops(ctx, out, op)
         assert self._fn is not None
-        if "out_" in kwargs or "ctx_" in kwargs or "op_" in kwargs:
-            # See Note [Policy keyword arguments]: torch's signature has no ``out``.
-            kwargs = {
-                (k[:-1] if k.endswith("_") and k[:-1] in PROTOCOL_NAMES else k): v
-                for k, v in kwargs.items()
-            }
-        return self._fn(_TorchSACContext(out), op, *args, **kwargs)
+        return self._fn(ctx, out, op, *args, **kwargs)
 
     def _repr_args(self) -> str:
         if self._ops is not None:
             return "[" + ", ".join(self._ops._ops.names) + "]"
-        return getattr(self._fn, "__qualname__", None) or repr(self._fn)
+        assert self._fn is not None
+        return self._fn.name
