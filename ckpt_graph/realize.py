@@ -402,6 +402,62 @@ def _autocast_off() -> Iterator[None]:
 _set_grad_enabled = torch._C._set_grad_enabled
 _is_any_autocast_enabled = torch._C._is_any_autocast_enabled
 
+# Note [Replay globals]
+# Besides arguments, an op's result can depend on process-wide settings: the number of
+# intra-op threads (a CPU reduction sums in chunks per thread: ``x.sum()`` of 10^6 values
+# differs in the last bits between 1 and 2 threads), ``torch.use_deterministic_algorithms``
+# (kernel choice, and NaN-filled ``empty``), ``torch.set_float32_matmul_precision``
+# (reduced-precision matmul kernels) and whether oneDNN is enabled. A backward may run
+# under other settings than its forward (a data loader thread changing the thread count,
+# a test toggling determinism), so the region reads them when it opens (``Region._globals``)
+# and recompute runs under those (``_replay_globals``): each differing one is set for the
+# duration of a ``realize`` and restored after. Changing one inside an open region would
+# leave ops of one region with two settings: closing the region then raises (see
+# ``Region._close_region``). Others are handled elsewhere: factory ops record the dtype,
+# layout and device they produced (Note [Factory ops] in record.py); recompute runs with
+# autocast off and no grad, whatever the backward has (the recorded ops carry autocast's
+# casts, and grad mode does not change values).
+REPLAY_GLOBALS: tuple[tuple[str, Any, Any], ...] = (
+    (
+        "torch.use_deterministic_algorithms",
+        lambda: (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
+        lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1]),
+    ),
+    (
+        "torch.set_float32_matmul_precision",
+        torch.get_float32_matmul_precision,
+        torch.set_float32_matmul_precision,
+    ),
+    ("torch.backends.mkldnn.enabled", torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled),
+    ("torch.set_num_threads", torch.get_num_threads, torch.set_num_threads),
+)
+
+
+def replay_globals() -> tuple[Any, ...]:
+    """The current values of the settings in ``REPLAY_GLOBALS``."""
+    return tuple(get() for _, get, _ in REPLAY_GLOBALS)
+
+
+@contextlib.contextmanager
+def _replay_globals(region: Region) -> Iterator[None]:
+    """Run under the settings the region's forward had. See Note [Replay globals]."""
+    want = region._globals
+    now = replay_globals()
+    if want is None or now == want:
+        yield
+        return
+    changed = [(i, now[i]) for i in range(len(now)) if now[i] != want[i]]
+    for i, _ in changed:
+        REPLAY_GLOBALS[i][2](want[i])
+    try:
+        yield
+    finally:
+        for i, v in changed:
+            REPLAY_GLOBALS[i][2](v)
+
 
 def realize(region: Region, h: Handle) -> torch.Tensor:
     """Recompute ``h`` from the nearest kept values. See Note [Realize order]."""
@@ -417,6 +473,8 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
     autocast = _autocast_off() if _is_any_autocast_enabled() else None
     if autocast is not None:
         autocast.__enter__()
+    settings = _replay_globals(region)
+    settings.__enter__()
     try:
         stack: list[tuple[int, bool]] = [(h.node_index, False)]
         while stack:
@@ -441,6 +499,7 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
                     if i.cache is None:
                         stack.append((i.node_index, False))
     finally:
+        settings.__exit__(None, None, None)
         if autocast is not None:
             autocast.__exit__(None, None, None)
         _set_grad_enabled(grad_was)
@@ -495,6 +554,8 @@ def realize_again(region: Region, h: Handle) -> torch.Tensor:
     autocast = _autocast_off() if _is_any_autocast_enabled() else None
     if autocast is not None:
         autocast.__enter__()
+    settings = _replay_globals(region)
+    settings.__enter__()
     try:
         stack: list[tuple[int, bool]] = [(h.node_index, False)]
         while stack:
@@ -529,6 +590,7 @@ def realize_again(region: Region, h: Handle) -> torch.Tensor:
                 if o is not None:
                     local[id(o)] = v
     finally:
+        settings.__exit__(None, None, None)
         if autocast is not None:
             autocast.__exit__(None, None, None)
         _set_grad_enabled(grad_was)

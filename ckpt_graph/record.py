@@ -227,7 +227,13 @@ def _record_op(region: Region, func: Any, args: tuple[Any, ...], kwargs: dict[st
     if region._unsettled:
         region._settle()
     info = _OP_INFO.get(func) or op_info(func)
-    if not info.writes and not info.is_random and func is not _ONES_LIKE and id(func) not in _PLAIN:
+    if (
+        not info.writes
+        and not info.is_random
+        and not info.options
+        and func is not _ONES_LIKE
+        and id(func) not in _PLAIN
+    ):
         _PLAIN[id(func)] = (func, info)
     h_args, h_kwargs, inputs = region._scan(args, kwargs)
     overwritten = None
@@ -244,8 +250,39 @@ def _record_op(region: Region, func: Any, args: tuple[Any, ...], kwargs: dict[st
         if undo is not None:
             _restore(region, undo)
         raise
+    if info.options and isinstance(out, torch.Tensor):
+        h_kwargs = _resolved_options(info, h_kwargs, out)
     record_node(region, func, info, h_args, h_kwargs, inputs, out, rng, args, kwargs, overwritten)
     return out
+
+
+# Note [Factory ops]
+# An op without tensor arguments (``rand``, ``full``, ``arange``, ``empty``, ``zeros``) takes
+# its dtype, layout and device from global defaults when its keyword arguments leave them
+# ``None``: ``torch.get_default_dtype()`` for floating values, the C++ default device. A
+# replay under other defaults (``torch.set_default_dtype`` between forward and backward)
+# would compute other values, so the recorder replaces such ``None``s by what the op
+# produced. Which ops: from the schema (``OpInfo.options``: keyword-only ``dtype`` /
+# ``layout`` / ``device`` and no tensor argument), not a list. Ops with a tensor argument
+# (``*_like``, ``new_zeros``) resolve ``None`` from that tensor, which the replay has too.
+# Other globals that change an op's result are fixed per region instead; see Note
+# [Replay globals] in realize.py.
+_OPTION_OF = {
+    "dtype": lambda t: t.dtype,
+    "layout": lambda t: t.layout,
+    "device": lambda t: t.device,
+}
+
+
+def _resolved_options(info: OpInfo, kwargs: dict[str, Any], out: torch.Tensor) -> dict[str, Any]:
+    """``kwargs`` with the factory options left ``None`` set from ``out``."""
+    missing = [name for name in info.options if kwargs.get(name) is None]
+    if not missing:
+        return kwargs
+    kwargs = dict(kwargs)
+    for name in missing:
+        kwargs[name] = _OPTION_OF[name](out)
+    return kwargs
 
 
 # Note [Silent writes]

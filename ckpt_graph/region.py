@@ -21,7 +21,7 @@ from .hooks import pack_hook_for, unpack_hook_for_autograd
 from .mutation import index_storage
 from .policies._core import POLICY_NAMES, PolicyContext, PolicyFn, resolve
 from .policies._core import to_decision as _to_decision
-from .realize import PassState, count_live_uses, lose_use
+from .realize import REPLAY_GLOBALS, PassState, count_live_uses, lose_use, replay_globals
 from .record import KEEP as _KEEP
 from .record import Recorder
 
@@ -85,6 +85,7 @@ class Region:
         self._exits: list[Any] = []
         self._hook_fns: tuple[Any, Any] | None = None  # while open: refers to the region
         self._pass = PassState()
+        self._globals: tuple[Any, ...] | None = None  # See Note [Replay globals].
 
     # ----------------------------------------------------------------- lifecycle
     def _open_region(self) -> None:
@@ -95,6 +96,7 @@ class Region:
                 "under torch.no_grad() instead"
             )
         self._task = torch._C._current_graph_task_id()
+        self._globals = replay_globals()
         self._ctx = PolicyContext(self)
         _tls.region = self
         _modules.install_hooks()
@@ -138,6 +140,15 @@ class Region:
             self._release()
         else:
             count_live_uses(self)
+
+    def _changed_globals(self) -> list[str]:
+        """Settings of Note [Replay globals] changed since the region opened."""
+        if self._globals is None:
+            return []
+        now = replay_globals()
+        return [
+            REPLAY_GLOBALS[i][0] for i in range(len(now)) if now[i] != self._globals[i]
+        ]
 
     def _release(self) -> None:
         """Drop every tensor value the region holds (metadata stays for introspection)."""

@@ -399,3 +399,171 @@ def test_rrelu_noise_write_bumps_no_version() -> None:
         nn.functional.rrelu(x * 1, training=True)
     assert [t._version for t in seen] == [0, 0]
     assert torch.ops.aten.rrelu_with_noise.default._schema.arguments[1].alias_info.is_write
+
+
+# ------------------------------------------------------------ item 1: globals at replay
+
+
+def _factory_forward(x: torch.Tensor) -> torch.Tensor:
+    """Every value below comes from a factory op whose dtype follows the default dtype."""
+    n = x.shape[0]
+    r = torch.rand(n) + torch.randn(n) * torch.full((n,), 1.37)
+    r = r + torch.linspace(0.1, 1.3, n) * torch.arange(0.5, n + 0.5)
+    r = r + torch.empty(n).fill_(0.3) + torch.zeros(n) + torch.ones(n) * torch.scalar_tensor(0.7)
+    r = r + torch.rand_like(x.float()) + torch.ones_like(x.float())  # *_like: from x
+    return (x * r.to(x.dtype)).sin().sum()
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", policies.save_matmuls()])
+@pytest.mark.parametrize(
+    ("forward_dtype", "backward_dtype"), [(torch.float32, torch.float64), (torch.float64, torch.float32)]
+)
+def test_default_dtype_changed_before_backward(
+    policy: Any, forward_dtype: torch.dtype, backward_dtype: torch.dtype
+) -> None:
+    x = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    torch.set_default_dtype(forward_dtype)  # the conftest fixture restores it
+    want = _grads(lambda: _factory_forward(x), [x])
+    torch.manual_seed(0)
+    with cg.save_recompute_policy(policy):
+        y = _factory_forward(x)
+    torch.set_default_dtype(backward_dtype)
+    y.backward()
+    _assert_same([x.grad], want)  # type: ignore[list-item]
+
+
+def test_default_device_changed_before_backward() -> None:
+    x = torch.randn(7, requires_grad=True)
+    want = _grads(lambda: _factory_forward(x), [x])
+    torch.manual_seed(0)
+    with cg.save_recompute_policy("recompute_all"):
+        y = _factory_forward(x)
+    torch.set_default_device("meta")
+    try:
+        y.backward()
+    finally:
+        torch.set_default_device(None)
+    _assert_same([x.grad], want)  # type: ignore[list-item]
+
+
+def test_factory_options_from_the_schema() -> None:
+    from ckpt_graph.graph import op_info
+
+    aten = torch.ops.aten
+    for op in (aten.rand.default, aten.full.default, aten.arange.start, aten.empty.memory_format):
+        assert set(op_info(op).options) == {"dtype", "layout", "device"}, op
+    for op in (aten.rand_like.default, aten.new_zeros.default, aten.sum.dim_IntList):
+        assert op_info(op).options == (), op
+
+
+def _reduction_forward(x: torch.Tensor) -> torch.Tensor:
+    s = (x * 1.1).sum()  # chunked per thread on CPU: the last bits depend on the thread count
+    return (x * s).sin().sum()
+
+
+def test_thread_count_changed_before_backward() -> None:
+    # The backward's own reductions use the thread count of the backward, in eager too: only
+    # the recomputed forward values must follow the forward's.
+    x = torch.randn(300_001, requires_grad=True)
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("needs 2 intra-op threads")
+
+    def forward_then_backward(region: bool) -> list[torch.Tensor]:
+        torch.set_num_threads(threads)
+        if region:
+            with cg.save_recompute_policy("recompute_all"):
+                y = _reduction_forward(x)
+        else:
+            y = _reduction_forward(x)
+        torch.set_num_threads(1)
+        y.backward()
+        assert torch.get_num_threads() == 1  # restored after the replay
+        g = x.grad.clone()  # type: ignore[union-attr]
+        x.grad = None
+        return [g]
+
+    try:
+        torch.set_num_threads(1)
+        one = _reduction_forward(x)
+        torch.set_num_threads(threads)
+        assert not torch.equal(one, _reduction_forward(x))  # the setting matters here
+        want = forward_then_backward(False)
+        got = forward_then_backward(True)
+    finally:
+        torch.set_num_threads(threads)
+    _assert_same(got, want)
+
+
+def _matmul_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return ((x @ w).tanh() @ w).sum()
+
+
+def _backward_in(context: str, y: torch.Tensor) -> None:
+    precision = torch.get_float32_matmul_precision()
+    mkldnn = torch.backends.mkldnn.enabled
+    try:
+        if context == "deterministic":
+            torch.use_deterministic_algorithms(True)
+            y.backward()
+        elif context == "matmul_medium":
+            torch.set_float32_matmul_precision("medium")
+            y.backward()
+        elif context == "no_mkldnn":
+            torch.backends.mkldnn.enabled = False
+            y.backward()
+        elif context == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y.backward()
+        else:
+            with torch.no_grad():
+                y.backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.mkldnn.enabled = mkldnn
+
+
+@pytest.mark.parametrize(
+    "context", ["deterministic", "matmul_medium", "no_mkldnn", "autocast", "no_grad"]
+)
+def test_other_globals_do_not_change_recomputed_values(context: str) -> None:
+    # Eager runs its backward under the same setting: the recomputed values must be the
+    # forward's, whatever the backward's setting is.
+    x = torch.randn(16, 32, requires_grad=True)
+    w = torch.randn(32, 32, requires_grad=True)
+    _backward_in(context, _matmul_forward(x, w))
+    want = [x.grad, w.grad]
+    x.grad = w.grad = None
+    with cg.save_recompute_policy("recompute_all"):
+        y = _matmul_forward(x, w)
+    _backward_in(context, y)
+    _assert_same([x.grad, w.grad], want)  # type: ignore[list-item]
+
+
+def test_autocast_forward_backward_outside() -> None:
+    x = torch.randn(16, 32, requires_grad=True)
+    w = torch.randn(32, 32, requires_grad=True)
+
+    def fwd() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _matmul_forward(x, w).float()
+
+    want = _grads(fwd, [x, w])
+    with cg.save_recompute_policy("recompute_all"):
+        y = fwd()
+    y.backward()
+    _assert_same([x.grad, w.grad], want)  # type: ignore[list-item]
+
+
+def test_setting_changed_inside_region_raises() -> None:
+    threads = torch.get_num_threads()
+    x = torch.randn(4, requires_grad=True)
+    try:
+        with pytest.raises(CkptGraphError, match=r"torch.set_num_threads changed inside the region"):
+            with cg.save_recompute_policy("recompute_all"):
+                y = x.sin()
+                torch.set_num_threads(threads + 1)
+                y = y.cos()
+    finally:
+        torch.set_num_threads(threads)
