@@ -45,6 +45,7 @@ class Region:
         saved: every tensor autograd saved in the region, in order, as ``(number of op
             nodes recorded before the save, handle)``; backward unpacks roughly in reverse.
         kept_bytes: bytes of the values kept by policy, tags or the engine (inputs excluded).
+        tagged: handles of the values ``tag_with_policy`` decided for (kept or recomputed).
         debug: whether recomputed values are checked against the forward (checksums).
 
     Invariants:
@@ -86,6 +87,7 @@ class Region:
         self._hook_fns: tuple[Any, Any] | None = None  # while open: refers to the region
         self._pass = PassState()
         self._globals: tuple[Any, ...] | None = None  # See Note [Replay globals].
+        self.tagged: set[Handle] = set()  # values tag_with_policy decided for
 
     # ----------------------------------------------------------------- lifecycle
     def _open_region(self) -> None:
@@ -327,8 +329,9 @@ class Region:
         h = self.handle_of(t)
         if h.node_index < 0 or (h.reason is not None and h.reason.startswith("engine")):
             return  # region inputs and engine-kept values are always kept
-        node = self.nodes[h.node_index]
-        node.decided_by = "tag"
+        # Per value, not per op node: a tag on one output of a multi-output op (``split``)
+        # says nothing about its siblings, which keep the policies' decision.
+        self.tagged.add(h)
         if decision in _KEEP:
             if not h.kept:
                 self._keep(h, t, graph.TAG, _KEEP[decision])

@@ -567,3 +567,35 @@ def test_setting_changed_inside_region_raises() -> None:
                 y = y.cos()
     finally:
         torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------ item 20: tags are per value
+
+
+def _keep_all(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+    return True
+
+
+@pytest.mark.parametrize("tag", [False, True])
+def test_tag_on_one_output_leaves_siblings_to_the_policy(tag: bool) -> None:
+    x = torch.randn(4, 6, requires_grad=True)
+
+    def fwd(region: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a, b, c = (x * 2).split(2, dim=1)
+        if region:
+            cg.tag_with_policy(b, tag)
+        return (a.sin() * b.cos() * c.exp()).sum(), a, b
+
+    want = _grads(lambda: fwd(False)[0], [x])
+    with cg.save_recompute_policy(_keep_all) as region:
+        y, a, b = fwd(True)
+    a_why = region.explain(a)
+    assert "tag_with_policy" not in a_why.why and a_why.decided_by == "_keep_all"
+    b_why = region.explain(b)
+    assert "tag_with_policy() on this value asked to " + ("keep" if tag else "recompute") in b_why.why
+    assert b_why.decided_by == "tag"
+    split = next(n for n in region.nodes if n.info.name == "aten.split.Tensor")
+    assert split.decided_by == "_keep_all"
+    assert region.tagged == {split.outputs[1]}
+    y.backward()
+    _assert_same([x.grad], want)  # type: ignore[list-item]
