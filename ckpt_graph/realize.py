@@ -71,7 +71,8 @@
 # of its handle; a recomputed handle that drops to zero makes its producer dead once all
 # its recomputed outputs are, which takes a use of each of the producer's inputs, and so
 # on; a kept handle that drops to zero is released. So a kept block input is freed right
-# after the last backward node that could need it, as autograd frees a saved tensor.
+# after the last backward node that could need it, as autograd frees a saved tensor. A dead
+# op node never runs again: its generator state (see Note [RNG replay]) is dropped too.
 #
 # Replay context (set up in ``realize``): no grad (unpacked values must be plain tensors; autograd
 # re-attaches them to the original graph, which also makes ``create_graph=True`` work),
@@ -265,6 +266,8 @@ def count_live_uses(region: Region) -> None:
         if needed:
             for i in node.inputs:
                 i.live += 1
+        else:
+            node.rng = None  # it never runs again
     for h in region.inputs:
         h.live += h.packs
     for h in region.inputs:
@@ -296,6 +299,7 @@ def lose_use(region: Region, h: Handle) -> None:
         ):
             continue
         node.live = False
+        node.rng = None  # it never runs again: drop its generator state
         stack.extend(node.inputs)
 
 
@@ -467,6 +471,7 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
     state = region._pass
     number = state.number
     # The replay context, set up by hand: it runs once per unpack that recomputes.
+    recording = region._recording  # False inside a policy's call, even in an open region
     region._recording = False
     grad_was = torch.is_grad_enabled()
     _set_grad_enabled(False)
@@ -503,7 +508,7 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
         if autocast is not None:
             autocast.__exit__(None, None, None)
         _set_grad_enabled(grad_was)
-        region._recording = region._open
+        region._recording = recording
     if h.cache is None:
         raise CkptGraphError(
             f"ckpt_graph: internal error: {h!r} was not realized; please report this with the "

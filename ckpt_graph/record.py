@@ -238,6 +238,7 @@ def _record_op(region: Region, func: Any, args: tuple[Any, ...], kwargs: dict[st
     h_args, h_kwargs, inputs = region._scan(args, kwargs)
     overwritten = None
     undo = None
+    kept_bytes = region.kept_bytes
     if info.writes:
         undo = _write_state(region, info, args, kwargs, h_args, h_kwargs)
         if info.silent_writes:
@@ -249,6 +250,7 @@ def _record_op(region: Region, func: Any, args: tuple[Any, ...], kwargs: dict[st
     except BaseException:
         if undo is not None:
             _restore(region, undo)
+            region.kept_bytes = kept_bytes
         raise
     if info.options and isinstance(out, torch.Tensor):
         h_kwargs = _resolved_options(info, h_kwargs, out)
@@ -326,12 +328,13 @@ def _keep_silently_written(
 # the old values of the written tensor and of its view bases, and replaces kept values in
 # the written storage by copies. An op can still raise (``y[0:2].add_(torch.ones(3))``: a
 # shape error), and code may catch that and go on; eager then has nothing changed. So the
-# handles ``before_write`` may touch are noted first (``_write_state``: the view bases of
-# each written handle and every kept value in a written storage; only for ops that write)
-# and restored if the op raises (``_restore``), and nothing is recorded. The storage index
+# handles ``before_write`` (and ``_keep_silently_written``) may touch are noted first
+# (``_write_state``: the view bases of each written handle and every kept value in a
+# written storage; only for ops that write) and restored with ``kept_bytes`` if the op
+# raises (``_restore``), and nothing is recorded. The storage index
 # is rebuilt at the next write. Without this, a saved tensor of the base raised an error
 # about `.data` in backward.
-_Undo = list[tuple[Handle, bool, Any, int, Any]]
+_Undo = list[tuple[Handle, bool, Any, int, Any, str | None]]
 
 
 def _write_state(
@@ -368,13 +371,13 @@ def _write_state(
             ]
         for k in entries:
             touched[id(k)] = k
-    return [(h, h.superseded, h.value, h.version, h.ref) for h in touched.values()]
+    return [(h, h.superseded, h.value, h.version, h.ref, h.reason) for h in touched.values()]
 
 
 def _restore(region: Region, undo: _Undo) -> None:
     """Undo ``before_write`` for an op that raised. See Note [Failed in-place ops]."""
-    for h, superseded, value, version, ref in undo:
-        h.superseded, h.value, h.version, h.ref = superseded, value, version, ref
+    for h, superseded, value, version, ref, reason in undo:
+        h.superseded, h.value, h.version, h.ref, h.reason = superseded, value, version, ref, reason
     region._by_storage = None
 
 

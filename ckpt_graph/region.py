@@ -44,7 +44,8 @@ class Region:
         inputs: handles of region inputs and of values taken as they were (always kept).
         saved: every tensor autograd saved in the region, in order, as ``(number of op
             nodes recorded before the save, handle)``; backward unpacks roughly in reverse.
-        kept_bytes: bytes of the values kept by policy, tags or the engine (inputs excluded).
+        kept_bytes: bytes of the values kept by policy, tags or the engine (inputs excluded,
+            but the copies of inputs and views taken before an in-place op counted).
         tagged: handles of the values ``tag_with_policy`` decided for (kept or recomputed).
         debug: whether recomputed values are checked against the forward (checksums).
 

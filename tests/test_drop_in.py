@@ -599,3 +599,90 @@ def test_tag_on_one_output_leaves_siblings_to_the_policy(tag: bool) -> None:
     assert region.tagged == {split.outputs[1]}
     y.backward()
     _assert_same([x.grad], want)  # type: ignore[list-item]
+
+
+# ------------------------------------------------------------ item 21: bookkeeping
+
+
+def test_backward_inside_a_policy_leaves_recording_off() -> None:
+    # realize restores the flag it found (off during a policy's call), not "region open".
+    w = torch.randn(4, 4, requires_grad=True)
+    pending: list[torch.Tensor] = []
+    seen: list[bool] = []
+
+    def policy(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+        if op is torch.ops.aten.mm.default and not seen:
+            torch.autograd.grad(pending[0], w, retain_graph=True)  # recomputes exp's output
+            seen.append(ctx.region._recording)
+        return False
+
+    with cg.save_recompute_policy(policy):
+        pending.append(w.sin().exp().sum())
+        (w @ w).sum()
+    assert seen == [False]
+
+
+def test_nested_backward_of_the_same_region_in_a_hook() -> None:
+    # A backward inside a backward (a hook) unpacks the region in a second pass: the outer
+    # pass's end-of-pass callback must not break it, nor it the outer pass.
+    def run(region: bool) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        x = torch.randn(6, requires_grad=True)
+        inner: list[torch.Tensor] = []
+
+        def fwd() -> tuple[torch.Tensor, torch.Tensor]:
+            h = x.sin().exp()
+            return (h * 2).tanh(), h.cos().exp().sum()
+
+        if region:
+            with cg.save_recompute_policy("recompute_all"):
+                a, b = fwd()
+        else:
+            a, b = fwd()
+        a.register_hook(lambda g: inner.append(torch.autograd.grad(b, x, retain_graph=True)[0]))
+        a.sum().backward(retain_graph=True)
+        first = x.grad.clone()  # type: ignore[union-attr]
+        x.grad = None
+        b.backward()
+        return [first, inner[0], x.grad]  # type: ignore[list-item]
+
+    _assert_same(run(True), run(False))
+
+
+def test_kept_bytes_count_copies_taken_before_a_write() -> None:
+    def fwd(x: torch.Tensor, w: torch.Tensor, region: Any) -> torch.Tensor:
+        y = (w * x.exp()).sum()  # x: a region input, kept by reference (0 bytes)
+        v = x[::2]
+        if region is not None:
+            cg.tag_with_policy(v, True)  # a kept view: its bytes are its base's
+            assert region.kept_bytes == 0
+        z = (w[::2] * v.exp()).sum()
+        v.mul_(2)  # recomputing the exps needs the old x and v: both copied first
+        if region is not None:  # two new storages of x's size
+            assert region.kept_bytes == 2 * x.nbytes
+        return y + z
+
+    x0 = torch.randn(1000)
+    w = torch.randn(1000, requires_grad=True)
+    fwd(x0.clone(), w, None).backward()
+    want = [w.grad.clone()]  # type: ignore[union-attr]
+    w.grad = None
+    x = x0.clone()  # a region input
+    with cg.save_recompute_policy("recompute_all") as region:
+        y = fwd(x, w, region)
+    y.backward()
+    _assert_same([w.grad], want)  # type: ignore[list-item]
+
+
+def test_dead_random_op_drops_its_generator_state() -> None:
+    x = torch.randn(8, requires_grad=True)
+    with cg.save_recompute_policy("recompute_all") as region:
+        out1 = nn.functional.dropout(x, 0.5).sin().sum()
+        out2 = nn.functional.dropout(x, 0.5).cos().sum()
+        nn.functional.dropout(x, 0.5).sum()  # nothing saved needs it: dead at exit
+    first, second, third = [n for n in region.nodes if n.info.is_random]
+    assert third.rng is None
+    assert first.rng is not None and second.rng is not None
+    out1.backward()  # the first dropout can no longer run
+    assert first.rng is None and second.rng is not None
+    out2.backward()
