@@ -149,9 +149,7 @@ class Region:
         if self._globals is None:
             return []
         now = replay_globals()
-        return [
-            REPLAY_GLOBALS[i][0] for i in range(len(now)) if now[i] != self._globals[i]
-        ]
+        return [REPLAY_GLOBALS[i][0] for i in range(len(now)) if now[i] != self._globals[i]]
 
     def _release(self) -> None:
         """Drop every tensor value the region holds (metadata stays for introspection)."""

@@ -7,7 +7,7 @@ error by message. Each one failed before its fix.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -99,7 +99,7 @@ def test_policy_sees_out_kwarg_renamed() -> None:
     a, v, u = torch.randn(3, 4), torch.randn(4), torch.empty(3)
     with cg.save_recompute_policy(policy):
         torch.mv(a, v, out=u)
-    (op, kwargs), *_ = [s for s in seen if s[0] is torch.ops.aten.mv.out]
+    (_, kwargs), *_ = [s for s in seen if s[0] is torch.ops.aten.mv.out]
     assert set(kwargs) == {"out_"} and kwargs["out_"] is u
 
 
@@ -160,10 +160,8 @@ def test_failed_inplace_op_changes_nothing(policy: Any, first_write: bool) -> No
 
     def fwd() -> torch.Tensor:
         y = x * 2
-        if not first_write:  # the storage index exists before the failing write
-            w = (x + 1).mul_(2)
-        else:
-            w = x + 0
+        # with a write before, the storage index exists before the failing write
+        w = x + 0 if first_write else (x + 1).mul_(2)
         z = (y @ y).sin()  # saves y
         with pytest.raises(RuntimeError, match="must match the size"):
             y[0:2].add_(torch.ones(3))
@@ -206,6 +204,7 @@ class _ReadTwice(torch.autograd.Function):
         a, _ = ctx.saved_tensors
         _, b = ctx.saved_tensors
         a2, b2 = ctx.saved_tensors
+        assert torch.equal(b, b2)
         return g * b2 * (a2 is not None), g * a
 
 
@@ -289,7 +288,7 @@ def test_value_read_twice_is_freed() -> None:
 class _MaskedLinear(torch.autograd.Function):
     """``(a @ w) * m``; backward checks which saved tensors are the original objects."""
 
-    identity: list[tuple[bool, bool]] = []
+    identity: ClassVar[list[tuple[bool, bool]]] = []
 
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, w: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -416,7 +415,8 @@ def _factory_forward(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("policy", ["recompute_all", policies.save_matmuls()])
 @pytest.mark.parametrize(
-    ("forward_dtype", "backward_dtype"), [(torch.float32, torch.float64), (torch.float64, torch.float32)]
+    ("forward_dtype", "backward_dtype"),
+    [(torch.float32, torch.float64), (torch.float64, torch.float32)],
 )
 def test_default_dtype_changed_before_backward(
     policy: Any, forward_dtype: torch.dtype, backward_dtype: torch.dtype
@@ -560,11 +560,13 @@ def test_setting_changed_inside_region_raises() -> None:
     threads = torch.get_num_threads()
     x = torch.randn(4, requires_grad=True)
     try:
-        with pytest.raises(CkptGraphError, match=r"torch.set_num_threads changed inside the region"):
-            with cg.save_recompute_policy("recompute_all"):
-                y = x.sin()
-                torch.set_num_threads(threads + 1)
-                y = y.cos()
+        with (
+            pytest.raises(CkptGraphError, match=r"torch.set_num_threads changed inside the region"),
+            cg.save_recompute_policy("recompute_all"),
+        ):
+            y = x.sin()
+            torch.set_num_threads(threads + 1)
+            y = y.cos()
     finally:
         torch.set_num_threads(threads)
 
@@ -592,7 +594,9 @@ def test_tag_on_one_output_leaves_siblings_to_the_policy(tag: bool) -> None:
     a_why = region.explain(a)
     assert "tag_with_policy" not in a_why.why and a_why.decided_by == "_keep_all"
     b_why = region.explain(b)
-    assert "tag_with_policy() on this value asked to " + ("keep" if tag else "recompute") in b_why.why
+    assert (
+        "tag_with_policy() on this value asked to " + ("keep" if tag else "recompute") in b_why.why
+    )
     assert b_why.decided_by == "tag"
     split = next(n for n in region.nodes if n.info.name == "aten.split.Tensor")
     assert split.decided_by == "_keep_all"

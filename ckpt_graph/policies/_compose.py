@@ -16,7 +16,6 @@ from typing import Any
 from torch._ops import OpOverload
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ckpt_graph.policies._core import PROTOCOL_NAMES
 from ckpt_graph.policies._builtins import (
     Answer,
     Policy,
@@ -25,6 +24,7 @@ from ckpt_graph.policies._builtins import (
     _resolve,
     save_ops,
 )
+from ckpt_graph.policies._core import PROTOCOL_NAMES
 
 __all__ = ["any_save", "first_answer", "from_torch_sac"]
 
