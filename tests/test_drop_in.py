@@ -7,7 +7,7 @@ error by message. Each one failed before its fix.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -16,6 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import ckpt_graph as cg
 from ckpt_graph import policies
+from ckpt_graph._errors import CkptGraphError
 
 
 def _grads(
@@ -98,13 +99,13 @@ def test_policy_sees_out_kwarg_renamed() -> None:
     a, v, u = torch.randn(3, 4), torch.randn(4), torch.empty(3)
     with cg.save_recompute_policy(policy):
         torch.mv(a, v, out=u)
-    (op, kwargs), *_ = [s for s in seen if s[0] is torch.ops.aten.mv.out]
+    (_, kwargs), *_ = [s for s in seen if s[0] is torch.ops.aten.mv.out]
     assert set(kwargs) == {"out_"} and kwargs["out_"] is u
 
 
 def test_only_out_collides_with_policy_parameters() -> None:
     # Note [Policy keyword arguments] says only ``out`` among aten keyword-only arguments.
-    from ckpt_graph.policies._core import PROTOCOL_NAMES
+    from ckpt_graph.engine.decisions import PROTOCOL_NAMES
 
     names = {
         a.name
@@ -123,9 +124,9 @@ def test_random_op_without_replay_is_kept_whatever_the_tag(
     policy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Simulate a device whose generator the engine cannot replay.
-    import ckpt_graph.record
+    import ckpt_graph.engine.record
 
-    monkeypatch.setattr(ckpt_graph.record, "capture_rng", lambda args, kwargs: None)
+    monkeypatch.setattr(ckpt_graph.engine.record, "capture_rng", lambda args, kwargs: None)
     x = torch.randn(6, requires_grad=True)
 
     def fwd() -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,10 +160,8 @@ def test_failed_inplace_op_changes_nothing(policy: Any, first_write: bool) -> No
 
     def fwd() -> torch.Tensor:
         y = x * 2
-        if not first_write:  # the storage index exists before the failing write
-            w = (x + 1).mul_(2)
-        else:
-            w = x + 0
+        # with a write before, the storage index exists before the failing write
+        w = x + 0 if first_write else (x + 1).mul_(2)
         z = (y @ y).sin()  # saves y
         with pytest.raises(RuntimeError, match="must match the size"):
             y[0:2].add_(torch.ones(3))
@@ -205,6 +204,7 @@ class _ReadTwice(torch.autograd.Function):
         a, _ = ctx.saved_tensors
         _, b = ctx.saved_tensors
         a2, b2 = ctx.saved_tensors
+        assert torch.equal(b, b2)
         return g * b2 * (a2 is not None), g * a
 
 
@@ -288,7 +288,7 @@ def test_value_read_twice_is_freed() -> None:
 class _MaskedLinear(torch.autograd.Function):
     """``(a @ w) * m``; backward checks which saved tensors are the original objects."""
 
-    identity: list[tuple[bool, bool]] = []
+    identity: ClassVar[list[tuple[bool, bool]]] = []
 
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, w: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -398,3 +398,295 @@ def test_rrelu_noise_write_bumps_no_version() -> None:
         nn.functional.rrelu(x * 1, training=True)
     assert [t._version for t in seen] == [0, 0]
     assert torch.ops.aten.rrelu_with_noise.default._schema.arguments[1].alias_info.is_write
+
+
+# ------------------------------------------------------------ item 1: globals at replay
+
+
+def _factory_forward(x: torch.Tensor) -> torch.Tensor:
+    """Every value below comes from a factory op whose dtype follows the default dtype."""
+    n = x.shape[0]
+    r = torch.rand(n) + torch.randn(n) * torch.full((n,), 1.37)
+    r = r + torch.linspace(0.1, 1.3, n) * torch.arange(0.5, n + 0.5)
+    r = r + torch.empty(n).fill_(0.3) + torch.zeros(n) + torch.ones(n) * torch.scalar_tensor(0.7)
+    r = r + torch.rand_like(x.float()) + torch.ones_like(x.float())  # *_like: from x
+    return (x * r.to(x.dtype)).sin().sum()
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", policies.save_matmuls()])
+@pytest.mark.parametrize(
+    ("forward_dtype", "backward_dtype"),
+    [(torch.float32, torch.float64), (torch.float64, torch.float32)],
+)
+def test_default_dtype_changed_before_backward(
+    policy: Any, forward_dtype: torch.dtype, backward_dtype: torch.dtype
+) -> None:
+    x = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    torch.set_default_dtype(forward_dtype)  # the conftest fixture restores it
+    want = _grads(lambda: _factory_forward(x), [x])
+    torch.manual_seed(0)
+    with cg.save_recompute_policy(policy):
+        y = _factory_forward(x)
+    torch.set_default_dtype(backward_dtype)
+    y.backward()
+    _assert_same([x.grad], want)  # type: ignore[list-item]
+
+
+def test_default_device_changed_before_backward() -> None:
+    x = torch.randn(7, requires_grad=True)
+    want = _grads(lambda: _factory_forward(x), [x])
+    torch.manual_seed(0)
+    with cg.save_recompute_policy("recompute_all"):
+        y = _factory_forward(x)
+    torch.set_default_device("meta")
+    try:
+        y.backward()
+    finally:
+        torch.set_default_device(None)
+    _assert_same([x.grad], want)  # type: ignore[list-item]
+
+
+def test_factory_options_from_the_schema() -> None:
+    from ckpt_graph.engine.graph import op_info
+
+    aten = torch.ops.aten
+    for op in (aten.rand.default, aten.full.default, aten.arange.start, aten.empty.memory_format):
+        assert set(op_info(op).options) == {"dtype", "layout", "device"}, op
+    for op in (aten.rand_like.default, aten.new_zeros.default, aten.sum.dim_IntList):
+        assert op_info(op).options == (), op
+
+
+def _reduction_forward(x: torch.Tensor) -> torch.Tensor:
+    s = (x * 1.1).sum()  # chunked per thread on CPU: the last bits depend on the thread count
+    return (x * s).sin().sum()
+
+
+def test_thread_count_changed_before_backward() -> None:
+    # The backward's own reductions use the thread count of the backward, in eager too: only
+    # the recomputed forward values must follow the forward's.
+    x = torch.randn(300_001, requires_grad=True)
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("needs 2 intra-op threads")
+
+    def forward_then_backward(region: bool) -> list[torch.Tensor]:
+        torch.set_num_threads(threads)
+        if region:
+            with cg.save_recompute_policy("recompute_all"):
+                y = _reduction_forward(x)
+        else:
+            y = _reduction_forward(x)
+        torch.set_num_threads(1)
+        y.backward()
+        assert torch.get_num_threads() == 1  # restored after the replay
+        g = x.grad.clone()  # type: ignore[union-attr]
+        x.grad = None
+        return [g]
+
+    try:
+        torch.set_num_threads(1)
+        one = _reduction_forward(x)
+        torch.set_num_threads(threads)
+        assert not torch.equal(one, _reduction_forward(x))  # the setting matters here
+        want = forward_then_backward(False)
+        got = forward_then_backward(True)
+    finally:
+        torch.set_num_threads(threads)
+    _assert_same(got, want)
+
+
+def _matmul_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return ((x @ w).tanh() @ w).sum()
+
+
+def _backward_in(context: str, y: torch.Tensor) -> None:
+    precision = torch.get_float32_matmul_precision()
+    mkldnn = torch.backends.mkldnn.enabled
+    try:
+        if context == "deterministic":
+            torch.use_deterministic_algorithms(True)
+            y.backward()
+        elif context == "matmul_medium":
+            torch.set_float32_matmul_precision("medium")
+            y.backward()
+        elif context == "no_mkldnn":
+            torch.backends.mkldnn.enabled = False
+            y.backward()
+        elif context == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y.backward()
+        else:
+            with torch.no_grad():
+                y.backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.mkldnn.enabled = mkldnn
+
+
+@pytest.mark.parametrize(
+    "context", ["deterministic", "matmul_medium", "no_mkldnn", "autocast", "no_grad"]
+)
+def test_other_globals_do_not_change_recomputed_values(context: str) -> None:
+    # Eager runs its backward under the same setting: the recomputed values must be the
+    # forward's, whatever the backward's setting is.
+    x = torch.randn(16, 32, requires_grad=True)
+    w = torch.randn(32, 32, requires_grad=True)
+    _backward_in(context, _matmul_forward(x, w))
+    want = [x.grad, w.grad]
+    x.grad = w.grad = None
+    with cg.save_recompute_policy("recompute_all"):
+        y = _matmul_forward(x, w)
+    _backward_in(context, y)
+    _assert_same([x.grad, w.grad], want)  # type: ignore[list-item]
+
+
+def test_autocast_forward_backward_outside() -> None:
+    x = torch.randn(16, 32, requires_grad=True)
+    w = torch.randn(32, 32, requires_grad=True)
+
+    def fwd() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _matmul_forward(x, w).float()
+
+    want = _grads(fwd, [x, w])
+    with cg.save_recompute_policy("recompute_all"):
+        y = fwd()
+    y.backward()
+    _assert_same([x.grad, w.grad], want)  # type: ignore[list-item]
+
+
+def test_setting_changed_inside_region_raises() -> None:
+    threads = torch.get_num_threads()
+    x = torch.randn(4, requires_grad=True)
+    try:
+        with (
+            pytest.raises(CkptGraphError, match=r"torch.set_num_threads changed inside the region"),
+            cg.save_recompute_policy("recompute_all"),
+        ):
+            y = x.sin()
+            torch.set_num_threads(threads + 1)
+            y = y.cos()
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------ item 20: tags are per value
+
+
+def _keep_all(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+    return True
+
+
+@pytest.mark.parametrize("tag", [False, True])
+def test_tag_on_one_output_leaves_siblings_to_the_policy(tag: bool) -> None:
+    x = torch.randn(4, 6, requires_grad=True)
+
+    def fwd(region: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a, b, c = (x * 2).split(2, dim=1)
+        if region:
+            cg.tag_with_policy(b, tag)
+        return (a.sin() * b.cos() * c.exp()).sum(), a, b
+
+    want = _grads(lambda: fwd(False)[0], [x])
+    with cg.save_recompute_policy(_keep_all) as region:
+        y, a, b = fwd(True)
+    a_why = region.explain(a)
+    assert "tag_with_policy" not in a_why.why and a_why.decided_by == "_keep_all"
+    b_why = region.explain(b)
+    assert (
+        "tag_with_policy() on this value asked to " + ("keep" if tag else "recompute") in b_why.why
+    )
+    assert b_why.decided_by == "tag"
+    split = next(n for n in region.nodes if n.info.name == "aten.split.Tensor")
+    assert split.decided_by == "_keep_all"
+    assert region.tagged == {split.outputs[1]}
+    y.backward()
+    _assert_same([x.grad], want)  # type: ignore[list-item]
+
+
+# ------------------------------------------------------------ item 21: bookkeeping
+
+
+def test_backward_inside_a_policy_leaves_recording_off() -> None:
+    # realize restores the flag it found (off during a policy's call), not "region open".
+    w = torch.randn(4, 4, requires_grad=True)
+    pending: list[torch.Tensor] = []
+    seen: list[bool] = []
+
+    def policy(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+        if op is torch.ops.aten.mm.default and not seen:
+            torch.autograd.grad(pending[0], w, retain_graph=True)  # recomputes exp's output
+            seen.append(ctx.region._recording)
+        return False
+
+    with cg.save_recompute_policy(policy):
+        pending.append(w.sin().exp().sum())
+        (w @ w).sum()
+    assert seen == [False]
+
+
+def test_nested_backward_of_the_same_region_in_a_hook() -> None:
+    # A backward inside a backward (a hook) unpacks the region in a second pass: the outer
+    # pass's end-of-pass callback must not break it, nor it the outer pass.
+    def run(region: bool) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        x = torch.randn(6, requires_grad=True)
+        inner: list[torch.Tensor] = []
+
+        def fwd() -> tuple[torch.Tensor, torch.Tensor]:
+            h = x.sin().exp()
+            return (h * 2).tanh(), h.cos().exp().sum()
+
+        if region:
+            with cg.save_recompute_policy("recompute_all"):
+                a, b = fwd()
+        else:
+            a, b = fwd()
+        a.register_hook(lambda g: inner.append(torch.autograd.grad(b, x, retain_graph=True)[0]))
+        a.sum().backward(retain_graph=True)
+        first = x.grad.clone()  # type: ignore[union-attr]
+        x.grad = None
+        b.backward()
+        return [first, inner[0], x.grad]  # type: ignore[list-item]
+
+    _assert_same(run(True), run(False))
+
+
+def test_kept_bytes_count_copies_taken_before_a_write() -> None:
+    def fwd(x: torch.Tensor, w: torch.Tensor, region: Any) -> torch.Tensor:
+        y = (w * x.exp()).sum()  # x: a region input, kept by reference (0 bytes)
+        v = x[::2]
+        if region is not None:
+            cg.tag_with_policy(v, True)  # a kept view: its bytes are its base's
+            assert region.kept_bytes == 0
+        z = (w[::2] * v.exp()).sum()
+        v.mul_(2)  # recomputing the exps needs the old x and v: both copied first
+        if region is not None:  # two new storages of x's size
+            assert region.kept_bytes == 2 * x.nbytes
+        return y + z
+
+    x0 = torch.randn(1000)
+    w = torch.randn(1000, requires_grad=True)
+    fwd(x0.clone(), w, None).backward()
+    want = [w.grad.clone()]  # type: ignore[union-attr]
+    w.grad = None
+    x = x0.clone()  # a region input
+    with cg.save_recompute_policy("recompute_all") as region:
+        y = fwd(x, w, region)
+    y.backward()
+    _assert_same([w.grad], want)  # type: ignore[list-item]
+
+
+def test_dead_random_op_drops_its_generator_state() -> None:
+    x = torch.randn(8, requires_grad=True)
+    with cg.save_recompute_policy("recompute_all") as region:
+        out1 = nn.functional.dropout(x, 0.5).sin().sum()
+        out2 = nn.functional.dropout(x, 0.5).cos().sum()
+        nn.functional.dropout(x, 0.5).sum()  # nothing saved needs it: dead at exit
+    first, second, third = [n for n in region.nodes if n.info.is_random]
+    assert third.rng is None
+    assert first.rng is not None and second.rng is not None
+    out1.backward()  # the first dropout can no longer run
+    assert first.rng is None and second.rng is not None
+    out2.backward()

@@ -135,7 +135,7 @@ def _why(region: Region, h: Handle) -> str:
         return f"{h.reason}; the engine keeps it whatever the policies said ({decision})"
     if h.reason == "tag":
         return "tag_with_policy() on this value asked to keep it"
-    if by == "tag" and h.reason is None:
+    if h in region.tagged and h.reason is None:
         return "tag_with_policy() on this value asked to recompute it"
     if not by:
         return f"no policy answered for {node.info.name}: the default {decision} keeps it"

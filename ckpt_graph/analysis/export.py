@@ -31,9 +31,10 @@ class OpRecord:
         dtypes: per output, its dtype name, e.g. ``"float32"`` (``None`` for non-tensors).
         out_bytes: per output, its bytes (0 for non-tensors; views report their own size).
         decision: the resolved ``CheckpointPolicy`` name, e.g. ``"PREFER_RECOMPUTE"``.
-        decided_by: who decided: the policy's name, ``"tag"``, an engine reason
-            (``"engine: ..."``) when the engine kept an output whatever the policies said,
-            or ``"default"`` when no policy answered (plain autograd: keep).
+        decided_by: who decided: the policy's name, ``"tag"`` when every tensor output
+            was tagged (tags are per value: ``region.explain`` tells for one output), an
+            engine reason (``"engine: ..."``) when the engine kept an output whatever the
+            policies said, or ``"default"`` when no policy answered (plain autograd: keep).
         kept: per output, why it is kept (``"policy"``, ``"tag"``, ``"engine: ..."``) or
             ``None`` when it is recomputed (also ``None`` for non-tensor outputs).
         inputs: the values the op read, as ``(producer op index, output index)``; region
@@ -66,14 +67,17 @@ class OpRecord:
         return any(k is not None for k in self.kept)
 
 
-def _decided_by(node: OpNode) -> str:
-    for o in node.outputs:
-        if o is not None and o.reason is not None and o.reason.startswith("engine"):
+def _decided_by(node: OpNode, tagged: set[Handle]) -> str:
+    outs = [o for o in node.outputs if o is not None]
+    for o in outs:
+        if o.reason is not None and o.reason.startswith("engine"):
             return o.reason
+    if outs and all(o in tagged for o in outs):
+        return "tag"
     return node.decided_by or "default"
 
 
-def _record(node: OpNode) -> OpRecord:
+def _record(node: OpNode, tagged: set[Handle]) -> OpRecord:
     outs = node.outputs
     return OpRecord(
         index=node.index,
@@ -83,7 +87,7 @@ def _record(node: OpNode) -> OpRecord:
         dtypes=tuple(str(o.dtype).removeprefix("torch.") if o is not None else None for o in outs),
         out_bytes=tuple(o.nbytes if o is not None else 0 for o in outs),
         decision=getattr(node.decision, "name", str(node.decision)),
-        decided_by=_decided_by(node),
+        decided_by=_decided_by(node, tagged),
         kept=tuple(o.reason if o is not None else None for o in outs),
         inputs=tuple((h.node_index, h.index) for h in node.inputs),
         flops=node_flops(node),
@@ -100,7 +104,7 @@ def graph(region: Region) -> tuple[OpRecord, ...]:
         >>> [(r.op, r.decision) for r in region.graph][:2]  # doctest: +SKIP
         [('aten.t.default', 'PREFER_RECOMPUTE'), ('aten.addmm.default', 'MUST_SAVE')]
     """
-    return tuple(_record(node) for node in region.nodes)
+    return tuple(_record(node, region.tagged) for node in region.nodes)
 
 
 def _input_attrs(h: Handle) -> dict[str, Any]:
@@ -143,7 +147,7 @@ def to_networkx(region: Region) -> nx.DiGraph:
     for h in region.inputs:
         g.add_node(("input", h.index), **_input_attrs(h))
     for node in region.nodes:
-        record = _record(node)
+        record = _record(node, region.tagged)
         g.add_node(node.index, kind="op", **{f: getattr(record, f) for f in _FIELDS})
         for h in node.inputs:
             src = _value_node(h)

@@ -260,7 +260,7 @@ def decided_by(region: Region, h: Handle) -> str:
     """Who decided to keep or recompute ``h``: policy name, "tag", engine reason, "input"."""
     if h.reason is not None and h.reason.startswith("engine"):
         return h.reason
-    if h.reason == "tag":
+    if h.reason == "tag" or h in region.tagged:
         return "tag"
     if h.node_index < 0:
         return "input"

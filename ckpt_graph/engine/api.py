@@ -120,10 +120,17 @@ class save_recompute_policy:
     def __exit__(self, *exc: object) -> None:
         region = self._region
         assert region is not None
+        changed = region._changed_globals() if self._opened else []
         try:
             region._pop()
         finally:
             self._leave(region)
+        if changed and exc[0] is None:
+            raise CkptGraphError(
+                f"ckpt_graph: {', '.join(changed)} changed inside the region: its ops ran under "
+                "two settings, and recompute can only use one (see Note [Replay globals]); "
+                "change the setting before the `with save_recompute_policy(...)` block or after it"
+            )
 
     def _leave(self, region: Region) -> None:
         if self._hooks is not None:

@@ -177,6 +177,10 @@ class OpInfo:
         is_random: the op draws from a random generator.
         is_inplace_view: the op changes only the metadata of its input (``t_``).
         is_pointwise: the op is elementwise (``torch.Tag.pointwise``): cheap to run again.
+        options: names of the keyword-only ``dtype``, ``layout`` and ``device`` arguments
+            of an op that takes no tensor (a factory: ``rand``, ``full``, ``arange``),
+            whose result depends on global defaults when they are ``None``. See Note
+            [Factory ops].
         silent_writes: the writes bump no version counter, whether or not the schema
             declares them (CPU ``native_batch_norm``; ``rrelu_with_noise``, whose noise
             argument autograd saves before the op writes it): eager autograd cannot see
@@ -191,6 +195,7 @@ class OpInfo:
     is_inplace_view: bool
     silent_writes: bool = False
     is_pointwise: bool = False
+    options: tuple[str, ...] = ()
 
     @property
     def is_inplace(self) -> bool:
@@ -241,6 +246,13 @@ def _compute_op_info(op: OpOverload) -> OpInfo:
     view_outputs = tuple(
         i for i, r in enumerate(returns) if r.alias_info is not None and not r.alias_info.is_write
     )
+    options: tuple[str, ...] = ()
+    if not any("Tensor" in str(a.type) for a in schema.arguments):  # See Note [Factory ops].
+        options = tuple(
+            a.name
+            for a in schema.arguments
+            if a.kwarg_only and a.name in ("dtype", "layout", "device")
+        )
     tags = op.tags
     return OpInfo(
         name=str(op),
@@ -251,6 +263,7 @@ def _compute_op_info(op: OpOverload) -> OpInfo:
         is_inplace_view=torch.Tag.inplace_view in tags,
         silent_writes=silent,
         is_pointwise=torch.Tag.pointwise in tags,
+        options=options,
     )
 
 

@@ -107,6 +107,9 @@ def before_write(
             if k.uses == 0 and (k is not written or info.returns_written):
                 continue  # nobody needs the old value (this op does if it has other outputs)
             k.value = exact_copy(k.value)
+            if k.node_index < 0 or k.is_view:
+                # New memory the region holds: a region input or a view was not counted.
+                region.kept_bytes += k.value.untyped_storage().nbytes()
             k.version = k.value._version
             k.ref = None
             index_storage(region, k)

@@ -115,7 +115,8 @@
 # of its handle; a recomputed handle that drops to zero makes its producer dead once all
 # its recomputed outputs are, which takes a use of each of the producer's inputs, and so
 # on; a kept handle that drops to zero is released. So a kept block input is freed right
-# after the last backward node that could need it, as autograd frees a saved tensor.
+# after the last backward node that could need it, as autograd frees a saved tensor. A dead
+# op node never runs again: its generator state (see Note [RNG replay]) is dropped too.
 #
 # Replay context (set up in ``realize``): no grad (unpacked values must be plain tensors; autograd
 # re-attaches them to the original graph, which also makes ``create_graph=True`` work),
@@ -382,6 +383,8 @@ def count_live_uses(region: Region) -> None:
         if needed:
             for i in node.inputs:
                 i.live += 1
+        else:
+            node.rng = None  # it never runs again
     for h in region.inputs:
         h.live += h.packs
     for h in region.inputs:
@@ -413,6 +416,7 @@ def lose_use(region: Region, h: Handle) -> None:
         ):
             continue
         node.live = False
+        node.rng = None  # it never runs again: drop its generator state
         stack.extend(node.inputs)
 
 
@@ -664,6 +668,62 @@ def _autocast_off() -> Iterator[None]:
 _set_grad_enabled = torch._C._set_grad_enabled
 _is_any_autocast_enabled = torch._C._is_any_autocast_enabled
 
+# Note [Replay globals]
+# Besides arguments, an op's result can depend on process-wide settings: the number of
+# intra-op threads (a CPU reduction sums in chunks per thread: ``x.sum()`` of 10^6 values
+# differs in the last bits between 1 and 2 threads), ``torch.use_deterministic_algorithms``
+# (kernel choice, and NaN-filled ``empty``), ``torch.set_float32_matmul_precision``
+# (reduced-precision matmul kernels) and whether oneDNN is enabled. A backward may run
+# under other settings than its forward (a data loader thread changing the thread count,
+# a test toggling determinism), so the region reads them when it opens (``Region._globals``)
+# and recompute runs under those (``_replay_globals``): each differing one is set for the
+# duration of a ``realize`` and restored after. Changing one inside an open region would
+# leave ops of one region with two settings: closing the region then raises (see
+# ``Region._close_region``). Others are handled elsewhere: factory ops record the dtype,
+# layout and device they produced (Note [Factory ops] in record.py); recompute runs with
+# autocast off and no grad, whatever the backward has (the recorded ops carry autocast's
+# casts, and grad mode does not change values).
+REPLAY_GLOBALS: tuple[tuple[str, Any, Any], ...] = (
+    (
+        "torch.use_deterministic_algorithms",
+        lambda: (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
+        lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1]),
+    ),
+    (
+        "torch.set_float32_matmul_precision",
+        torch.get_float32_matmul_precision,
+        torch.set_float32_matmul_precision,
+    ),
+    ("torch.backends.mkldnn.enabled", torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled),
+    ("torch.set_num_threads", torch.get_num_threads, torch.set_num_threads),
+)
+
+
+def replay_globals() -> tuple[Any, ...]:
+    """The current values of the settings in ``REPLAY_GLOBALS``."""
+    return tuple(get() for _, get, _ in REPLAY_GLOBALS)
+
+
+@contextlib.contextmanager
+def _replay_globals(region: Region) -> Iterator[None]:
+    """Run under the settings the region's forward had. See Note [Replay globals]."""
+    want = region._globals
+    now = replay_globals()
+    if want is None or now == want:
+        yield
+        return
+    changed = [(i, now[i]) for i in range(len(now)) if now[i] != want[i]]
+    for i, _ in changed:
+        REPLAY_GLOBALS[i][2](want[i])
+    try:
+        yield
+    finally:
+        for i, v in changed:
+            REPLAY_GLOBALS[i][2](v)
+
 
 def realize(region: Region, h: Handle) -> torch.Tensor:
     """Recompute ``h`` from the nearest kept values. See Note [Realize order]."""
@@ -673,12 +733,15 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
     state = region._pass
     number = state.number
     # The replay context, set up by hand: it runs once per unpack that recomputes.
+    recording = region._recording  # False inside a policy's call, even in an open region
     region._recording = False
     grad_was = torch.is_grad_enabled()
     _set_grad_enabled(False)
     autocast = _autocast_off() if _is_any_autocast_enabled() else None
     if autocast is not None:
         autocast.__enter__()
+    settings = _replay_globals(region)
+    settings.__enter__()
     try:
         if state.segment_limit > 0:
             _realize_bounded(region, h)
@@ -706,10 +769,11 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
                     if i.cache is None:
                         stack.append((i.node_index, False))
     finally:
+        settings.__exit__(None, None, None)
         if autocast is not None:
             autocast.__exit__(None, None, None)
         _set_grad_enabled(grad_was)
-        region._recording = region._open
+        region._recording = recording
     return _realized(h)
 
 
@@ -764,6 +828,8 @@ def realize_again(region: Region, h: Handle) -> torch.Tensor:
     autocast = _autocast_off() if _is_any_autocast_enabled() else None
     if autocast is not None:
         autocast.__enter__()
+    settings = _replay_globals(region)
+    settings.__enter__()
     try:
         stack: list[tuple[int, bool]] = [(h.node_index, False)]
         while stack:
@@ -798,6 +864,7 @@ def realize_again(region: Region, h: Handle) -> torch.Tensor:
                 if o is not None:
                     local[id(o)] = v
     finally:
+        settings.__exit__(None, None, None)
         if autocast is not None:
             autocast.__exit__(None, None, None)
         _set_grad_enabled(grad_was)

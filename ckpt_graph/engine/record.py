@@ -227,11 +227,18 @@ def _record_op(region: Region, func: Any, args: tuple[Any, ...], kwargs: dict[st
     if region._unsettled:
         region._settle()
     info = _OP_INFO.get(func) or op_info(func)
-    if not info.writes and not info.is_random and func is not _ONES_LIKE and id(func) not in _PLAIN:
+    if (
+        not info.writes
+        and not info.is_random
+        and not info.options
+        and func is not _ONES_LIKE
+        and id(func) not in _PLAIN
+    ):
         _PLAIN[id(func)] = (func, info)
     h_args, h_kwargs, inputs = region._scan(args, kwargs)
     overwritten = None
     undo = None
+    kept_bytes = region.kept_bytes
     if info.writes:
         undo = _write_state(region, info, args, kwargs, h_args, h_kwargs)
         if info.silent_writes:
@@ -243,9 +250,41 @@ def _record_op(region: Region, func: Any, args: tuple[Any, ...], kwargs: dict[st
     except BaseException:
         if undo is not None:
             _restore(region, undo)
+            region.kept_bytes = kept_bytes
         raise
+    if info.options and isinstance(out, torch.Tensor):
+        h_kwargs = _resolved_options(info, h_kwargs, out)
     record_node(region, func, info, h_args, h_kwargs, inputs, out, rng, args, kwargs, overwritten)
     return out
+
+
+# Note [Factory ops]
+# An op without tensor arguments (``rand``, ``full``, ``arange``, ``empty``, ``zeros``) takes
+# its dtype, layout and device from global defaults when its keyword arguments leave them
+# ``None``: ``torch.get_default_dtype()`` for floating values, the C++ default device. A
+# replay under other defaults (``torch.set_default_dtype`` between forward and backward)
+# would compute other values, so the recorder replaces such ``None``s by what the op
+# produced. Which ops: from the schema (``OpInfo.options``: keyword-only ``dtype`` /
+# ``layout`` / ``device`` and no tensor argument), not a list. Ops with a tensor argument
+# (``*_like``, ``new_zeros``) resolve ``None`` from that tensor, which the replay has too.
+# Other globals that change an op's result are fixed per region instead; see Note
+# [Replay globals] in realize.py.
+_OPTION_OF = {
+    "dtype": lambda t: t.dtype,
+    "layout": lambda t: t.layout,
+    "device": lambda t: t.device,
+}
+
+
+def _resolved_options(info: OpInfo, kwargs: dict[str, Any], out: torch.Tensor) -> dict[str, Any]:
+    """``kwargs`` with the factory options left ``None`` set from ``out``."""
+    missing = [name for name in info.options if kwargs.get(name) is None]
+    if not missing:
+        return kwargs
+    kwargs = dict(kwargs)
+    for name in missing:
+        kwargs[name] = _OPTION_OF[name](out)
+    return kwargs
 
 
 # Note [Silent writes]
@@ -289,12 +328,13 @@ def _keep_silently_written(
 # the old values of the written tensor and of its view bases, and replaces kept values in
 # the written storage by copies. An op can still raise (``y[0:2].add_(torch.ones(3))``: a
 # shape error), and code may catch that and go on; eager then has nothing changed. So the
-# handles ``before_write`` may touch are noted first (``_write_state``: the view bases of
-# each written handle and every kept value in a written storage; only for ops that write)
-# and restored if the op raises (``_restore``), and nothing is recorded. The storage index
+# handles ``before_write`` (and ``_keep_silently_written``) may touch are noted first
+# (``_write_state``: the view bases of each written handle and every kept value in a
+# written storage; only for ops that write) and restored with ``kept_bytes`` if the op
+# raises (``_restore``), and nothing is recorded. The storage index
 # is rebuilt at the next write. Without this, a saved tensor of the base raised an error
 # about `.data` in backward.
-_Undo = list[tuple[Handle, bool, Any, int, Any]]
+_Undo = list[tuple[Handle, bool, Any, int, Any, str | None]]
 
 
 def _write_state(
@@ -331,13 +371,13 @@ def _write_state(
             ]
         for k in entries:
             touched[id(k)] = k
-    return [(h, h.superseded, h.value, h.version, h.ref) for h in touched.values()]
+    return [(h, h.superseded, h.value, h.version, h.ref, h.reason) for h in touched.values()]
 
 
 def _restore(region: Region, undo: _Undo) -> None:
     """Undo ``before_write`` for an op that raised. See Note [Failed in-place ops]."""
-    for h, superseded, value, version, ref in undo:
-        h.superseded, h.value, h.version, h.ref = superseded, value, version, ref
+    for h, superseded, value, version, ref, reason in undo:
+        h.superseded, h.value, h.version, h.ref, h.reason = superseded, value, version, ref, reason
     region._by_storage = None
 
 

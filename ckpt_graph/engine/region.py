@@ -23,7 +23,14 @@ from ckpt_graph.engine.decisions import to_decision as _to_decision
 from ckpt_graph.engine.graph import Handle, OpNode, version_of
 from ckpt_graph.engine.hooks import pack_hook_for, unpack_hook_for_autograd
 from ckpt_graph.engine.mutation import index_storage
-from ckpt_graph.engine.realize import PassState, count_live_uses, lose_use, parse_cache_limit
+from ckpt_graph.engine.realize import (
+    REPLAY_GLOBALS,
+    PassState,
+    count_live_uses,
+    lose_use,
+    parse_cache_limit,
+    replay_globals,
+)
 from ckpt_graph.engine.record import KEEP as _KEEP
 from ckpt_graph.engine.record import Recorder
 
@@ -46,7 +53,9 @@ class Region:
         inputs: handles of region inputs and of values taken as they were (always kept).
         saved: every tensor autograd saved in the region, in order, as ``(number of op
             nodes recorded before the save, handle)``; backward unpacks roughly in reverse.
-        kept_bytes: bytes of the values kept by policy, tags or the engine (inputs excluded).
+        kept_bytes: bytes of the values kept by policy, tags or the engine (inputs excluded,
+            but the copies of inputs and views taken before an in-place op counted).
+        tagged: handles of the values ``tag_with_policy`` decided for (kept or recomputed).
         debug: whether recomputed values are checked against the forward, and kept values
             against their value at region exit (checksums; see Note [Kept value checks]).
         cache_limit: bound on the recomputed values a backward pass caches: bytes, ``None``
@@ -92,6 +101,8 @@ class Region:
         self._hook_fns: tuple[Any, Any] | None = None  # while open: refers to the region
         self._pass = PassState()
         self._kept_sums: dict[Handle, tuple[float, float, float]] = {}  # when debug
+        self._globals: tuple[Any, ...] | None = None  # See Note [Replay globals].
+        self.tagged: set[Handle] = set()  # values tag_with_policy decided for
 
     # ----------------------------------------------------------------- lifecycle
     def _open_region(self) -> None:
@@ -102,6 +113,7 @@ class Region:
                 "under torch.no_grad() instead"
             )
         self._task = torch._C._current_graph_task_id()
+        self._globals = replay_globals()
         self._ctx = PolicyContext(self)
         _tls.region = self
         _modules.install_hooks()
@@ -147,6 +159,13 @@ class Region:
             count_live_uses(self)
             if self.debug:
                 self._kept_sums = kept_checksums(self)  # See Note [Kept value checks].
+
+    def _changed_globals(self) -> list[str]:
+        """Settings of Note [Replay globals] changed since the region opened."""
+        if self._globals is None:
+            return []
+        now = replay_globals()
+        return [REPLAY_GLOBALS[i][0] for i in range(len(now)) if now[i] != self._globals[i]]
 
     def _release(self) -> None:
         """Drop every tensor value the region holds (metadata stays for introspection)."""
@@ -335,8 +354,9 @@ class Region:
         h = self.handle_of(t)
         if h.node_index < 0 or (h.reason is not None and h.reason.startswith("engine")):
             return  # region inputs and engine-kept values are always kept
-        node = self.nodes[h.node_index]
-        node.decided_by = "tag"
+        # Per value, not per op node: a tag on one output of a multi-output op (``split``)
+        # says nothing about its siblings, which keep the policies' decision.
+        self.tagged.add(h)
         if decision in _KEEP:
             if not h.kept:
                 self._keep(h, t, graph.TAG, _KEEP[decision])

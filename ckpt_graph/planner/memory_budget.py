@@ -407,7 +407,7 @@ class MemoryBudget:
         for j in range(run.start, end):
             answer = run.answers.get(j)
             node = region.nodes[j]
-            if answer is None or node.decided_by == "tag":
+            if answer is None or any(o in region.tagged for o in node.outputs):
                 continue
             is_kept = any(o is not None and o.kept for o in node.outputs)
             if is_kept == answer:
