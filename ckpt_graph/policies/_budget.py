@@ -433,6 +433,7 @@ class MemoryBudget:
             return
         self._dirty = False
         self._planned = key
+        self._graphs = {s.graph.signature: s.graph for s in self._seen}  # drop stale graphs
         if len(self._seen) == 1:
             seen = self._seen[0]
             graph = seen.graph
