@@ -315,10 +315,14 @@ class MemoryBudget:
             t = h.ref() if h.ref is not None else None
             if t is None or t.grad_fn is None:
                 continue
-            key = t.untyped_storage().data_ptr()
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a subclass without storage
+                continue
+            key = storage.data_ptr()
             if key not in self._storages:
                 self._storages.add(key)
-                total += t.untyped_storage().nbytes()
+                total += storage.nbytes()
         return total
 
     # ---------------------------------------------------------------- decisions
