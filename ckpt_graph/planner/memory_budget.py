@@ -3,7 +3,8 @@
 # Note [Memory budget policy]
 # 1. Budget. An int is bytes; a float in (0, 1] is a fraction of the activation memory
 #    the region would keep without checkpointing: the distinct storages of the values
-#    autograd saves that the region's ops produce (``SimGraph.saved_bytes``). It bounds
+#    autograd saves that the region's ops produce (``SimGraph.saved_bytes``); for a step
+#    of several regions, of the step's (Note [Step budget across regions]). It bounds
 #    the *simulated activation peak of backward* (kept + cached + held recomputed values,
 #    see Note [Backward liveness model]); gradient buffers are reported, not budgeted.
 #    The budget is for a whole *step*: several regions of one step using the same policy
@@ -316,10 +317,14 @@ class MemoryBudget:
             t = h.ref() if h.ref is not None else None
             if t is None or t.grad_fn is None:
                 continue
-            key = t.untyped_storage().data_ptr()
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a subclass without storage
+                continue
+            key = storage.data_ptr()
             if key not in self._storages:
                 self._storages.add(key)
-                total += t.untyped_storage().nbytes()
+                total += storage.nbytes()
         return total
 
     # ---------------------------------------------------------------- decisions
@@ -434,6 +439,7 @@ class MemoryBudget:
             return
         self._dirty = False
         self._planned = key
+        self._graphs = {s.graph.signature: s.graph for s in self._seen}  # drop stale graphs
         if len(self._seen) == 1:
             seen = self._seen[0]
             graph = seen.graph
@@ -590,13 +596,20 @@ def memory_budget(budget: int | float) -> MemoryBudget:
 
     Args:
         budget: bytes (int), or a fraction in (0, 1] of the activation memory the region
-            keeps without checkpointing. See Note [Memory budget policy].
+            keeps without checkpointing, for one step: regions of a step that share the
+            object (per-layer regions of ``wrap`` or ``integrations.transformers.enable``,
+            several ``with`` blocks) share the budget. A step ends when every region of it
+            ran its backward (or was released); its regions are planned jointly when the
+            next step starts. See Note [Memory budget policy] and Note [Step budget across
+            regions].
 
     Example:
         >>> policy = memory_budget(0.5)  # the same object for every step
         >>> with cg.save_recompute_policy(policy):  # doctest: +SKIP
         ...     loss = model(x).sum()
         >>> print(policy.report())  # doctest: +SKIP
+        >>> model = cg.wrap(model, policy)  # a region per block, one budget per step
+        >>> print(policy.step_report())  # doctest: +SKIP
     """
     return MemoryBudget(budget)
 
