@@ -15,9 +15,10 @@
 #    is entered after every region of the previous one ran its backward or was released.
 #    A region first tries the plan of its ordinal, then any other plan (identical layers
 #    under per-layer regions share one), following each op's signature (op name and
-#    output shapes): answers come from the first plan still matching. A region that
-#    diverges from every plan (or ends early) falls back to the heuristic for the rest,
-#    and is planned again at exit; if its ordinal had a plan, the graph changed: warn once.
+#    output shapes; other sizes of the same ops match too, see Note [Plans across
+#    sizes]): answers come from the first plan still matching. A region that diverges
+#    from every plan (or ends early) falls back to the heuristic for the rest, and is
+#    planned again at exit; if its ordinal had a plan, the graph changed: warn once.
 # 4. Nesting. The policy decides only for the ops recorded while its own block is open
 #    (from ``on_region_enter`` to ``on_region_exit``), answering MUST_SAVE for kept ops
 #    (an inner "recompute the rest" policy cannot undo it) and PREFER_RECOMPUTE otherwise
