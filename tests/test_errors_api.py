@@ -136,9 +136,11 @@ def test_failed_on_region_enter_in_nested_block_leaves_nothing_behind(outer: Any
 
 
 def test_failed_on_region_enter_at_top_level_closes_the_region() -> None:
-    with pytest.raises(ValueError, match="cannot start here"):
-        with cg.save_recompute_policy(_FailsOnEnter()):
-            raise AssertionError("the block must not run")
+    with (
+        pytest.raises(ValueError, match="cannot start here"),
+        cg.save_recompute_policy(_FailsOnEnter()),
+    ):
+        raise AssertionError("the block must not run")
     assert cg.region.current_region() is None
 
 
@@ -312,7 +314,7 @@ def test_every_raise_in_the_package_is_a_ckpt_graph_error() -> None:
     problems = []
     for rel, line, node in sites:
         exc = node.exc
-        if exc is None or isinstance(exc, ast.Name) and exc.id.islower():
+        if exc is None or (isinstance(exc, ast.Name) and exc.id.islower()):
             continue  # bare re-raise, or re-raising a caught exception object
         if not isinstance(exc, ast.Call):
             problems.append(f"{rel}:{line}: raises {ast.unparse(exc)} (not a constructor call)")
