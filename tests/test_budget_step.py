@@ -12,13 +12,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from ckpt_graph._liveness import SimResult
-from ckpt_graph.policies._budget import MemoryBudget, StepPlan, _choose, _Option, _Seen
-from ckpt_graph.wrap import unwrap, wrap
-from ckpt_graph.zoo import GPT
 
 import ckpt_graph as cg
+from ckpt_graph.compare.zoo import GPT
+from ckpt_graph.integrations.wrap import unwrap, wrap
 from ckpt_graph.memory import measure
+from ckpt_graph.planner.liveness import SimResult
+from ckpt_graph.planner.memory_budget import MemoryBudget, StepPlan, _choose, _Option, _Seen
 
 LAYERS = 6
 Step = Callable[[GPT, torch.Tensor], None]

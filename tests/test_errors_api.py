@@ -136,9 +136,11 @@ def test_failed_on_region_enter_in_nested_block_leaves_nothing_behind(outer: Any
 
 
 def test_failed_on_region_enter_at_top_level_closes_the_region() -> None:
-    with pytest.raises(ValueError, match="cannot start here"):
-        with cg.save_recompute_policy(_FailsOnEnter()):
-            raise AssertionError("the block must not run")
+    with (
+        pytest.raises(ValueError, match="cannot start here"),
+        cg.save_recompute_policy(_FailsOnEnter()),
+    ):
+        raise AssertionError("the block must not run")
     assert cg.region.current_region() is None
 
 

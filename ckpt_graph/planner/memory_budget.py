@@ -22,10 +22,10 @@
 #    forwards before one backward: one step). The step's regions are planned when the next
 #    step's first region is entered, or when ``report()`` is asked for. A region first
 #    tries the plan of its ordinal, then any other plan, following each op's signature (op
-#    name and output shapes): answers come from the first plan still matching. A region
-#    that diverges from every plan (or ends early) falls back to the heuristic for the
-#    rest, and its step is planned again; if its ordinal had a plan, the graph changed:
-#    warn once.
+#    name and output shapes; other sizes of the same ops match too, see Note [Plans across
+#    sizes]): answers come from the first plan still matching. A region that diverges from
+#    every plan (or ends early) falls back to the heuristic for the rest, and its step is
+#    planned again; if its ordinal had a plan, the graph changed: warn once.
 # 4. Nesting. The policy decides only for the ops recorded while its own block is open
 #    (from ``on_region_enter`` to ``on_region_exit``), answering MUST_SAVE for kept ops
 #    (an inner "recompute the rest" policy cannot undo it) and PREFER_RECOMPUTE otherwise
@@ -59,6 +59,29 @@
 #    value can make the engine record one (torch's ``make_variable`` dispatches a detach
 #    after a kept factory op returns), which would shift positions
 #    between a step decided by the heuristic and one decided by the plan.
+#
+# Note [Plans across sizes]
+# Variable-length batches change every shape of a step but not its ops. Planning such a
+# step from scratch costs tens of planned steps (graph, simulator, solver), so a plan is
+# applied across sizes:
+# 1. Matching. Op by op, a plan matches when the op name, the number of outputs and each
+#    output's number of dimensions are the plan's at that position (the *structure*); the
+#    sizes themselves are not compared, nor required to map consistently (the ops already
+#    fix which value feeds which). Among the plans matching the structure, one whose sizes
+#    are also equal so far is preferred (an exact match, as before).
+# 2. Fractions. With a fraction, the budget scales with the step's activation bytes, and
+#    so does the peak of the same kept set when the sizes scale together (batch, sequence
+#    length of pointwise and matmul ops); so the plan is applied as it is, with no warning
+#    and no new plan. ``report()`` then gives the plan's byte figures scaled by the ratio of
+#    the region's activation bytes (rule 1) to the planned region's (``reuses`` counts it).
+#    Terms that grow faster than the rest (attention scores with the sequence length) make
+#    this an approximation: tests/planner/test_budget_shapes.py measures it.
+# 3. Bytes. With an int budget, a kept set planned at some sizes fits at sizes no larger:
+#    every value is no larger, so no simulated peak is. At each position the elements of
+#    the outputs so far are compared with the plan's; once they exceed the plan's, the rest
+#    of the region is decided by the heuristic and its step planned again (no warning: the
+#    graph did not change), for the larger sizes. So a run plans once per new largest size,
+#    not once per step.
 
 # Note [Step budget across regions]
 # 1. Memory of a step. Backward visits the step's regions in the reverse order of their
@@ -149,6 +172,15 @@ class _Plan:
     kept: frozenset[int]  # signature positions (see rule 6 of Note [Memory budget policy])
     report: PlanReport
     graph: _Graph | None = None
+    # output elements of the signature up to each position (See Note [Plans across sizes])
+    elements: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.elements:
+            total = 0
+            for _, shapes in self.signature:
+                total += _elements(shapes)
+                self.elements.append(total)
 
 
 @dataclass(frozen=True)
@@ -194,6 +226,9 @@ class _Run:
     kept_at_enter: int
     plans: list[_Plan]
     inputs_at_enter: int = 0
+    exact: list[_Plan] = field(default_factory=list)  # See Note [Plans across sizes].
+    elements: int = 0
+    grown: bool = False
     depth: int = 1
     signature: list[Signature] = field(default_factory=list)
     costs: dict[int, int] = field(default_factory=dict)
@@ -268,7 +303,12 @@ class MemoryBudget:
             p for p in dict.fromkeys(self._plans.values()) if p is not own
         ]
         self._runs[id(region)] = _Run(
-            len(region.nodes), ordinal, region.kept_bytes, plans, len(region.inputs)
+            len(region.nodes),
+            ordinal,
+            region.kept_bytes,
+            plans,
+            len(region.inputs),
+            exact=list(plans),
         )
 
     def on_region_exit(self, region: Region) -> None:
@@ -281,16 +321,21 @@ class MemoryBudget:
             return
         del self._runs[id(region)]
         inputs = self._input_bytes(region, run)
-        matched = [p for p in run.plans if len(p.signature) == len(run.signature)]
+        n = len(run.signature)
+        matched = [p for p in run.plans if len(p.signature) == n]
         if matched and not run.heuristic and matched[0].graph is not None:
-            plan = matched[0]
+            exact = [p for p in run.exact if len(p.signature) == n]
+            if not exact:
+                _count_saved(region, run)
+            plan = exact[0] if exact else matched[0]
             plan.report = replace(plan.report, reuses=plan.report.reuses + 1)
             self._plans.setdefault(run.ordinal, plan)
-            self._last = plan.report
-            self._seen.append(_Seen(run.ordinal, matched[0].graph, inputs))
+            self._last = plan.report if exact else self._scaled(plan, run)
+            assert plan.graph is not None
+            self._seen.append(_Seen(run.ordinal, plan.graph, inputs))
             return
         old = self._plans.get(run.ordinal)
-        if old is not None and not self._warned:
+        if old is not None and not self._warned and not run.grown:
             self._warned = True
             at = run.diverged_at if run.diverged_at >= 0 else len(region.nodes)
             warnings.warn(
@@ -349,10 +394,8 @@ class MemoryBudget:
         run.positions[ctx.op_index] = pos
         keep: bool | None = None
         if not run.heuristic and run.plans:
-            run.plans = [p for p in run.plans if pos < len(p.signature) and p.signature[pos] == sig]
-            if run.plans:
-                keep = pos in run.plans[0].kept
-            else:
+            keep = self._match(run, pos, sig)
+            if keep is None:
                 run.heuristic = True
                 run.diverged_at = ctx.op_index
         elif not run.plans:
@@ -362,17 +405,49 @@ class MemoryBudget:
         run.answers[ctx.op_index] = keep
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
+    def _match(self, run: _Run, pos: int, sig: Signature) -> bool | None:
+        """The answer of the plan matching the region so far, or ``None`` (the heuristic
+        decides from here). See Note [Plans across sizes]."""
+        run.elements += _elements(sig[1])
+        if run.exact:
+            run.exact = [p for p in run.exact if pos < len(p.signature) and p.signature[pos] == sig]
+        structure = _structure(sig)
+        run.plans = [
+            p
+            for p in run.plans
+            if pos < len(p.signature)
+            and (p.signature[pos] == sig or _structure(p.signature[pos]) == structure)
+        ]
+        if run.exact:
+            return pos in run.exact[0].kept
+        if not run.plans:
+            return None
+        plan = run.plans[0]
+        if not isinstance(self.budget, float) and run.elements > plan.elements[pos]:
+            run.grown = True  # larger than planned: an int budget needs a new plan
+            return None
+        return pos in plan.kept
+
+    def _scaled(self, plan: _Plan, run: _Run) -> PlanReport:
+        """``plan``'s report with its byte figures scaled to the sizes of ``run``."""
+        r = plan.report
+        ratio = run.saved_bytes / max(r.baseline_bytes, 1)
+        return replace(
+            r,
+            budget_bytes=int(r.budget_bytes * ratio)
+            if isinstance(self.budget, float)
+            else r.budget_bytes,
+            baseline_bytes=int(r.baseline_bytes * ratio),
+            kept=tuple(replace(k, nbytes=int(k.nbytes * ratio)) for k in r.kept),
+            predicted_peak_bytes=int(r.predicted_peak_bytes * ratio),
+            predicted_total_peak_bytes=int(r.predicted_total_peak_bytes * ratio),
+            predicted_recompute_flops=int(r.predicted_recompute_flops * ratio),
+        )
+
     def _heuristic(self, ctx: Any, run: _Run, flops: int, out: Any, args: tuple[Any, ...]) -> bool:
         """Keep this op's output? See rule 5 of Note [Memory budget policy]."""
         region = ctx.region
-        saved = region.saved
-        for _, h in saved[run.saved_seen :]:
-            while h.is_view and h.node_index >= run.start:  # count the base's storage
-                h = region.nodes[h.node_index].inputs[0]
-            if h.node_index >= run.start and id(h) not in run.seen:
-                run.seen.add(id(h))
-                run.saved_bytes += h.nbytes
-        run.saved_seen = len(saved)
+        _count_saved(region, run)
         i = ctx.op_index
         nbytes = ctx.out_bytes
         if ctx.is_inplace or _aliases(out, args):
@@ -648,6 +723,18 @@ def _choose(seen: list[_Seen], menus: list[list[_Option]], limit: int) -> list[i
     return list(min(states.values(), key=lambda t: (t[1], t[0]))[2])
 
 
+def _count_saved(region: Region, run: _Run) -> None:
+    """Add the saves since the last call to ``run.saved_bytes`` (rule 5a)."""
+    saved = region.saved
+    for _, h in saved[run.saved_seen :]:
+        while h.is_view and h.node_index >= run.start:  # count the base's storage
+            h = region.nodes[h.node_index].inputs[0]
+        if h.node_index >= run.start and id(h) not in run.seen:
+            run.seen.add(id(h))
+            run.saved_bytes += h.nbytes
+    run.saved_seen = len(saved)
+
+
 def _done(region: Region | None) -> bool:
     """Whether a region of the current step is finished (backward ran, or released)."""
     if region is None:
@@ -685,6 +772,21 @@ def _shapes(out: Any) -> tuple[tuple[int, ...], ...]:
     if isinstance(out, (tuple, list)):
         return tuple(tuple(o.shape) if isinstance(o, torch.Tensor) else () for o in out)
     return ()
+
+
+def _structure(sig: Signature) -> tuple[str, tuple[int, ...]]:
+    """Op name and the number of dimensions of each output. See Note [Plans across sizes]."""
+    return sig[0], tuple(len(s) for s in sig[1])
+
+
+def _elements(shapes: tuple[tuple[int, ...], ...]) -> int:
+    total = 0
+    for shape in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
 
 
 def _numel(out: Any) -> int:

@@ -1,0 +1,135 @@
+"""memory_budget with changing shapes: plans apply across sizes (issue 14 item 14).
+
+See Note [Plans across sizes] in ckpt_graph/policies/_budget.py. The step-time ratio is
+measured in benchmarks/bench_budget_shapes.py, not here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import ckpt_graph as cg
+from ckpt_graph.compare.zoo import GPT
+from ckpt_graph.memory import measure
+from ckpt_graph.planner.liveness import from_region, kept_ops_of, simulate
+from ckpt_graph.planner.memory_budget import MemoryBudget, memory_budget
+
+VOCAB, WIDTH, LAYERS, HEADS, MAX_SEQ = 64, 32, 2, 2, 48
+
+
+@pytest.fixture
+def plans_made(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Counts the regions recorded for a new plan (one entry per ``MemoryBudget._graph`` call:
+    a region no plan matched, whose step the solver plans again)."""
+    made: list[int] = []
+    graph = MemoryBudget._graph
+
+    def counting(self: MemoryBudget, region: cg.Region, run: object) -> object:
+        made.append(len(region.nodes))
+        return graph(self, region, run)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(MemoryBudget, "_graph", counting)
+    yield made
+
+
+def model() -> GPT:
+    torch.manual_seed(0)
+    m = GPT(VOCAB, WIDTH, LAYERS, HEADS, MAX_SEQ).train()
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)  # accumulated in place: gradients add no peak
+    return m
+
+
+class Step:
+    """One training step of ``gpt`` on ``x``, with or without a policy."""
+
+    def __init__(self, gpt: GPT) -> None:
+        self.gpt = gpt
+        self.region: cg.Region | None = None
+
+    def __call__(self, x: torch.Tensor, policy: MemoryBudget | None) -> None:
+        for p in self.gpt.parameters():
+            p.grad.zero_()  # type: ignore[union-attr]
+        if policy is None:
+            y = self.gpt(x)
+        else:
+            with cg.save_recompute_policy(policy) as self.region:
+                y = self.gpt(x)
+        y.pow(2).mean().backward()
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad.clone() for p in self.gpt.parameters()]  # type: ignore[union-attr]
+
+
+def batch(b: int, s: int) -> torch.Tensor:
+    torch.manual_seed(b * 1000 + s)
+    return torch.randint(0, VOCAB, (b, s))
+
+
+def test_fraction_budget_applies_its_plan_to_unseen_sizes(plans_made: list[int]) -> None:
+    step = Step(model())
+    policy = memory_budget(0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(batch(4, 16), policy)  # plans
+    assert len(plans_made) == 1
+    for b, s in [(2, 16), (4, 24), (6, 40), (3, 8), (6, 40)]:
+        x = batch(b, s)
+        plain = measure(step, x, None).peak_bytes
+        expected = step.grads()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # same ops, other sizes: no warning
+            peak = measure(step, x, policy).peak_bytes
+        torch.testing.assert_close(step.grads(), expected, rtol=0, atol=0)
+        assert len(plans_made) == 1, f"re-planned for batch {b}x{s}"
+        assert step.region is not None
+        g = from_region(step.region)
+        budget = 0.5 * g.saved_bytes()  # the fraction scales with the shapes
+        report = policy.report()
+        assert report is not None and report.budget_bytes == pytest.approx(budget, rel=1e-3)
+        assert simulate(g, kept_ops_of(step.region)).peak_bytes <= 1.03 * budget
+        if b * s >= 4 * 16:  # measured; see test_budget.py for the same accounting
+            others = plain - g.saved_bytes()
+            assert peak - others <= 1.03 * budget
+    report = policy.report()
+    assert report is not None and report.reuses == 5
+
+
+def test_int_budget_plans_again_only_for_a_new_largest_size(plans_made: list[int]) -> None:
+    step = Step(model())
+    budget = 150_000
+    policy = memory_budget(budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(batch(4, 16), policy)
+    assert len(plans_made) == 1
+    expected_plans = {(2, 16): 1, (3, 8): 1, (4, 24): 2, (2, 24): 2, (4, 16): 2, (3, 20): 2}
+    for (b, s), plans in expected_plans.items():
+        x = batch(b, s)
+        step(x, None)
+        expected = step.grads()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            step(x, policy)
+        torch.testing.assert_close(step.grads(), expected, rtol=0, atol=0)
+        assert len(plans_made) == plans, f"batch {b}x{s}"
+        assert step.region is not None
+        if (b, s) != (4, 24):  # that step ran on the heuristic, and was planned at its exit
+            peak = simulate(from_region(step.region), kept_ops_of(step.region)).peak_bytes
+            assert peak <= budget
+
+
+def test_a_structural_change_still_warns_and_plans_again(plans_made: list[int]) -> None:
+    step = Step(model())
+    policy = memory_budget(0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(batch(4, 16), policy)
+    step.gpt.blocks = step.gpt.blocks[:1]  # one block fewer: other ops, not other sizes
+    with pytest.warns(UserWarning, match="differs from the planned one"):
+        step(batch(4, 16), policy)
+    assert len(plans_made) == 2

@@ -1,0 +1,413 @@
+"""Fuzzing: random programs run eagerly and under ckpt_graph must agree bit for bit.
+
+A program is a short list of instructions over a pool of float64 ``(4, 6)`` tensors: unary
+and binary ops (with kwargs), matmuls, multi-output ops, views, in-place ops (on fresh
+values, through views, in-place view ops), random ops, factories, recurrent loops that fill
+a buffer step by step (``out[:, t] = h``, ``LSTMCell`` and ``GRUCell``), nested blocks with
+their own policies, and tags. Each program runs once eagerly and once in a region with a
+random outer policy; then one of the backward modes runs on both (``backward``,
+``retain_graph`` twice, ``autograd.grad`` on part of the outputs, ``inputs=``, double
+backward with ``create_graph``), optionally after changing the default dtype. Outputs,
+gradients and the RNG state afterwards are compared with ``rtol=0, atol=0``.
+
+Cases the fuzzer found that other branches are fixing stay in the strategy; the specific
+programs are the xfail tests at the end, each naming its issue item.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import ckpt_graph as cg
+from ckpt_graph import CheckpointPolicy, policies
+
+aten = torch.ops.aten
+B, D, T = 4, 6, 3
+
+# --------------------------------------------------------------------------- policies
+
+
+def _by_hash(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy | None:
+    """Deterministic but scattered decisions: keep every third op, abstain otherwise."""
+    if ctx.op_index % 3 == 0:
+        return CheckpointPolicy.MUST_SAVE
+    return None
+
+
+def _prefer_save_matmuls(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> bool | None:
+    return True if op in (aten.mm.default, aten.addmm.default) else None
+
+
+POLICIES: dict[str, Callable[[], Any]] = {
+    "recompute_all": lambda: "recompute_all",
+    "must_save_all": lambda: "must_save_all",
+    "save_matmuls": policies.save_matmuls,
+    "by_hash": lambda: _by_hash,
+    "prefer_save_matmuls": lambda: _prefer_save_matmuls,
+    "budget": lambda: policies.memory_budget(0.5),
+}
+
+# --------------------------------------------------------------------------- instructions
+# An instruction is (kind, a, b, c): a and b pick pool entries (modulo the pool's size), c a
+# variant. Every instruction appends one (4, 6) tensor to the pool.
+
+UNARY: list[Callable[[torch.Tensor], torch.Tensor]] = [
+    torch.sin,
+    torch.tanh,
+    torch.sigmoid,
+    lambda t: F.gelu(t, approximate="tanh"),
+    torch.relu,
+    lambda t: t.clamp(min=-0.5, max=0.5),
+    lambda t: t.pow(2),
+]
+BINARY: list[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = [
+    lambda a, b: torch.add(a, b, alpha=0.5),
+    torch.mul,
+    lambda a, b: torch.sub(a, b, alpha=2.0),
+    lambda a, b: torch.where(a > b, a, b),
+]
+
+
+@dataclass
+class Ctx:
+    """What an instruction may use besides the pool: weights, modules, the region scope."""
+
+    w: torch.Tensor
+    lstm: nn.LSTMCell
+    gru: nn.GRUCell
+    nested: Callable[[str], contextlib.AbstractContextManager[Any]]
+    tag: Callable[[torch.Tensor, bool], None]
+
+
+def _multi(t: torch.Tensor, c: int) -> torch.Tensor:
+    if c == 0:
+        a, b = t.chunk(2, dim=1)
+        return torch.cat([b * 2, a], dim=1)
+    if c == 1:
+        values, idx = t.max(dim=1, keepdim=True)
+        return t - values + idx.to(t.dtype)
+    if c == 2:
+        values, _ = t.topk(2, dim=1)
+        return t * values.sum(1, keepdim=True)
+    return torch.stack([r.sin() for r in t.unbind(0)])
+
+
+def _inplace(t: torch.Tensor, other: torch.Tensor, c: int) -> torch.Tensor:
+    u = t * 1.0
+    if c == 0:
+        u.mul_(1.5)
+    elif c == 1:
+        u.add_(other, alpha=0.25)
+    elif c == 2:
+        u.t_()  # in-place view ops
+        u.t_()
+        u.unsqueeze_(0).squeeze_(0)
+    else:
+        u.sigmoid_()
+    return u
+
+
+def _through_view(t: torch.Tensor, other: torch.Tensor, c: int) -> torch.Tensor:
+    u = t * 1.0
+    if c == 0:
+        u[0:2].mul_(3)
+    elif c == 1:
+        u[:, 1].add_(other[:, 2])
+    elif c == 2:
+        u.view(-1)[::5].zero_()
+    else:
+        u.diagonal().copy_(other[0, :B])
+    return u
+
+
+def _random(t: torch.Tensor, c: int) -> torch.Tensor:
+    if c == 0:
+        return F.dropout(t, 0.3, training=True)
+    if c == 1:
+        return t * torch.rand_like(t)
+    if c == 2:
+        return t + torch.randn(B, D, dtype=t.dtype)
+    return t * torch.bernoulli(torch.full_like(t, 0.5))
+
+
+def _factory(t: torch.Tensor, c: int) -> torch.Tensor:
+    """Factories without a dtype follow the default dtype of when they run."""
+    if c == 0:
+        return t + torch.ones(B, D).to(t.dtype)
+    if c == 1:
+        return t * torch.arange(D).to(t.dtype)
+    if c == 2:
+        return t + torch.full((B, D), 0.5, dtype=t.dtype)
+    return t * torch.linspace(0, 1, D).to(t.dtype)
+
+
+def _loop(t: torch.Tensor, ctx: Ctx, c: int) -> torch.Tensor:
+    """A recurrent loop filling a buffer step by step."""
+    out = torch.zeros(B, T, D, dtype=t.dtype)
+    h = t
+    cell = torch.zeros_like(t)
+    for step in range(T):
+        x = t * (step + 1)
+        if c == 0:
+            h = torch.tanh(x @ ctx.w + h)
+        elif c == 1:
+            h, cell = ctx.lstm(x, (h, cell))
+        else:
+            h = ctx.gru(x, h)
+        out[:, step] = h
+    return out.sum(1)
+
+
+def _execute(
+    instrs: Sequence[tuple[int, int, int, int]], pool: list[torch.Tensor], ctx: Ctx
+) -> None:
+    for kind, a, b, c in instrs:
+        x, y = pool[a % len(pool)], pool[b % len(pool)]
+        k = kind % 11
+        if k == 0:
+            r = UNARY[c % len(UNARY)](x)
+        elif k == 1:
+            r = BINARY[c % len(BINARY)](x, y)
+        elif k == 2:
+            r = torch.tanh(x @ ctx.w)
+        elif k == 3:
+            r = _multi(x, c % 4)
+        elif k == 4:
+            r = _inplace(x, y, c % 4)
+        elif k == 5:
+            r = _through_view(x, y, c % 4)
+        elif k == 6:
+            r = _random(x, c % 4)
+        elif k == 7:
+            r = _factory(x, c % 4)
+        elif k == 8:
+            r = _loop(x, ctx, c % 3)
+        elif k == 9:  # a nested block with its own policy
+            with ctx.nested(sorted(POLICIES)[c % len(POLICIES)]):
+                r = torch.sin(x) * y
+                r = torch.tanh(r @ ctx.w)
+        else:
+            r = x.exp().sin() if c % 2 else x.cos()
+            ctx.tag(r, bool(c % 3))
+        pool.append(r)
+
+
+# --------------------------------------------------------------------------- running
+MODES = ("backward", "retain_twice", "grad_partial", "inputs", "double")
+
+
+@dataclass(frozen=True)
+class Program:
+    instrs: tuple[tuple[int, int, int, int], ...]
+    policy: str
+    mode: str
+    switch_dtype: bool
+
+
+def _leaves() -> tuple[torch.Tensor, torch.Tensor, nn.LSTMCell, nn.GRUCell]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, D, generator=gen, dtype=torch.float64).requires_grad_()
+    w = (torch.randn(D, D, generator=gen, dtype=torch.float64) / D).requires_grad_()
+    torch.manual_seed(1)
+    lstm = nn.LSTMCell(D, D).double()
+    gru = nn.GRUCell(D, D).double()
+    return x, w, lstm, gru
+
+
+def _run(program: Program, checkpointed: bool) -> list[torch.Tensor]:
+    x, w, lstm, gru = _leaves()
+    params = [x, w, *lstm.parameters(), *gru.parameters()]
+    regions: list[Any] = []
+
+    def nested(name: str) -> contextlib.AbstractContextManager[Any]:
+        if not checkpointed:
+            return contextlib.nullcontext()
+        return cg.save_recompute_policy(POLICIES[name]())
+
+    def tag(t: torch.Tensor, keep: bool) -> None:
+        if checkpointed:
+            cg.tag_with_policy(t, keep)
+
+    ctx = Ctx(w, lstm, gru, nested, tag)
+    torch.manual_seed(2)
+    scope = (
+        cg.save_recompute_policy(POLICIES[program.policy]())
+        if checkpointed
+        else contextlib.nullcontext()
+    )
+    with scope as region:
+        regions.append(region)
+        pool = [x, x.sin()]
+        _execute(program.instrs, pool, ctx)
+        outs = [pool[-1].sum(1), (pool[-2] * pool[-1]).sum()]
+    old_dtype = torch.get_default_dtype()
+    if program.switch_dtype:
+        torch.set_default_dtype(torch.float32 if old_dtype == torch.float64 else torch.float64)
+    try:
+        results = _backward(program.mode, outs, params, x, w)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    return [*(o.detach() for o in outs), *results, torch.get_rng_state()]
+
+
+def _backward(
+    mode: str,
+    outs: list[torch.Tensor],
+    params: list[torch.Tensor],
+    x: torch.Tensor,
+    w: torch.Tensor,
+) -> list[torch.Tensor]:
+    g0 = torch.linspace(-1, 1, B, dtype=torch.float64)
+    if mode == "backward":
+        torch.autograd.backward(outs, [g0, torch.tensor(0.5, dtype=torch.float64)])
+    elif mode == "retain_twice":
+        outs[1].backward(retain_graph=True)
+        torch.autograd.backward(outs, [g0, torch.tensor(2.0, dtype=torch.float64)])
+    elif mode == "grad_partial":
+        return [
+            g for g in torch.autograd.grad(outs[0], [x], g0, allow_unused=True) if g is not None
+        ]
+    elif mode == "inputs":
+        outs[1].backward(inputs=[w])
+    else:
+        grads = torch.autograd.grad(outs[1], [x, w], create_graph=True, allow_unused=True)
+        used = [g for g in grads if g is not None and g.requires_grad]
+        if used:
+            sum(g.pow(2).sum() for g in used).backward()  # type: ignore[union-attr]
+        return [g.detach() for g in grads if g is not None]
+    return [p.grad for p in params if p.grad is not None]
+
+
+def check_program(program: Program) -> None:
+    ref = _run(program, checkpointed=False)
+    got = _run(program, checkpointed=True)
+    assert len(ref) == len(got), "different numbers of gradients"
+    for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m, i=i: f"result {i}: {m}")
+
+
+# --------------------------------------------------------------------------- the fuzzer
+instruction = st.tuples(
+    st.integers(0, 10), st.integers(0, 40), st.integers(0, 40), st.integers(0, 11)
+)
+programs = st.builds(
+    Program,
+    instrs=st.lists(instruction, min_size=1, max_size=7).map(tuple),
+    policy=st.sampled_from(sorted(POLICIES)),
+    mode=st.sampled_from(MODES),
+    switch_dtype=st.booleans(),
+)
+
+
+# Note [Known fuzz failures]
+# ``nn.LSTMCell`` and ``nn.GRUCell`` on CPU split the gate matmul's output with
+# ``aten.unsafe_split`` and update the pieces in place (``add_``, ``sigmoid_``, ``tanh_``).
+# ``unsafe_split``'s schema declares no alias, so the region takes its outputs for fresh
+# values: when the matmul output is kept (any policy but recompute_all) the forward's
+# in-place updates change the kept value (a false version-counter error), and recompute
+# in backward writes into it (the second backward of retain_graph=True gets wrong
+# gradients). In-place/view/storage tracking is branch mut's part of issue 14; the exact
+# programs are the strict xfail tests below. The fuzzer still generates such programs and
+# runs them, but a failure of a program with such a loop is recorded as a hypothesis event
+# instead of failing the test, so that the rest of the space stays covered.
+#
+# ``torch.linspace`` without a dtype, recomputed after the default dtype changed (float64
+# in forward, float32 in backward), gives float32-rounded values: gradients differ in the
+# last bits. Factory dtypes are branch eng's part of issue 14.
+def _known_failing(program: Program) -> bool:
+    """A program with a known failure: see Note [Known fuzz failures]."""
+    return any(
+        (kind % 11 == 8 and c % 3 in (1, 2))
+        or (program.switch_dtype and kind % 11 == 7 and c % 4 == 3)
+        for kind, _, _, c in program.instrs
+    )
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=100,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(programs)
+def test_random_programs_match_eager(program: Program) -> None:
+    with _quiet():
+        if not _known_failing(program):
+            check_program(program)
+            return
+        try:
+            check_program(program)
+        except (AssertionError, cg.CkptGraphError) as e:
+            event(f"known failure (Note [Known fuzz failures]): {type(e).__name__}")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # memory_budget's infeasible-plan warnings
+        yield
+
+
+# --------------------------------------------------------------------------- fixed programs
+@pytest.mark.parametrize("kind", range(11))
+def test_each_instruction_and_variant(kind: int) -> None:
+    for c in range(4 if kind != 9 else len(POLICIES)):
+        program = Program(((kind, 1, 0, c), (1, 2, 0, 1)), "recompute_all", "backward", False)
+        with _quiet():
+            check_program(program)
+
+
+# One program per instruction kind, with several of them, in each mode and policy.
+MIXED = ((2, 1, 0, 0), (4, 2, 1, 1), (5, 3, 0, 0), (6, 3, 2, 0), (3, 4, 1, 1), (9, 5, 2, 2))
+
+
+@pytest.mark.parametrize("switch_dtype", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_mixed_program_in_each_mode_and_policy(policy: str, mode: str, switch_dtype: bool) -> None:
+    with _quiet():
+        check_program(Program((*MIXED, (7, 6, 0, 0), (10, 7, 0, 1)), policy, mode, switch_dtype))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_factories_with_the_default_dtype_changed_before_backward(mode: str) -> None:
+    factories = tuple((7, i + 1, 0, c) for i, c in enumerate(range(3)))  # linspace: xfail
+    with _quiet():
+        check_program(Program(factories, "recompute_all", mode, True))
+
+
+# See Note [Known fuzz failures]: found by the fuzzer, fixed on branch mut.
+_UNSAFE_SPLIT = "issue 14 (branch mut): in-place ops on aten.unsafe_split outputs of a kept value"
+
+
+@pytest.mark.xfail(strict=True, raises=cg.CkptGraphError, reason=_UNSAFE_SPLIT)
+@pytest.mark.parametrize("cell", [1, 2], ids=["lstm", "gru"])
+def test_known_cell_loop_with_kept_gate_matmuls_false_version_error(cell: int) -> None:
+    check_program(Program(((8, 0, 0, cell),), "must_save_all", "backward", False))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_UNSAFE_SPLIT)
+@pytest.mark.parametrize("cell", [1, 2], ids=["lstm", "gru"])
+def test_known_cell_loop_second_backward_wrong_gradients(cell: int) -> None:
+    check_program(Program(((8, 0, 0, cell),), "save_matmuls", "retain_twice", False))
+
+
+_FACTORY_DTYPE = "issue 14 (branch eng): factories recomputed under the default dtype of backward"
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_FACTORY_DTYPE)
+def test_known_linspace_recomputed_after_the_default_dtype_changed() -> None:
+    check_program(Program(((7, 1, 0, 3),), "recompute_all", "backward", True))
