@@ -20,15 +20,30 @@
 #      tensor of the old value then cannot be served as eager would (eager reads the new
 #      values, unchecked), and unpacking it raises an error naming ``.data``.
 #   4. Kept values are shared with the forward tensors. Before an op writes a storage,
-#      every kept value in that storage that some op node or saved tensor already used is
-#      replaced by an exact copy (same storage offset and strides), because the write would
-#      change it under them. A kept value the op overwrites with nobody else needing it is
-#      not copied; its new version is kept instead (``INPLACE_ON_KEPT``), which costs no
-#      memory since it is the same tensor.
+#      every kept value in that storage whose elements the write may touch (``overlap``:
+#      exact for slices and chunks, conservative otherwise) and that some op node or saved
+#      tensor already used is replaced by an exact copy (same storage offset and strides),
+#      because the write would change it under them; it is also superseded. Kept values
+#      of the storage the write leaves alone stay as they are: the gates of nn.LSTM are
+#      chunks of one tensor (``unsafe_chunk``, each with a version counter of its own)
+#      written in place one after another. A kept value the op overwrites with nobody
+#      else needing it is not copied; its new version is kept instead
+#      (``INPLACE_ON_KEPT``), which costs no memory since it is the same tensor.
 #   5. The version of an in-place op's output (bumped) and of a view op's output (shared
 #      with its base) is only set by autograd after this mode returns: those handles start
 #      at -1 and read the tensor's version when the region next sees anything
 #      (``Region._settle``), before any other op can change it.
+#   6. A view's handle names its ``base``: the handle, not itself a view, whose storage
+#      and version counter it shares (view ops take it from their input; in-place and
+#      ``out=`` results from the argument they wrote). A write through a view supersedes
+#      the base, in one step however many writes came before. A saved view whose tensor
+#      is gone (``y[0].sin()`` saves a temporary) is checked through its base: superseded
+#      in the region, or a version change of the base tensor after it, raises as eager
+#      does.
+#   7. An in-place view op (``t_``, ``unsqueeze_``, ``as_strided_``) changes metadata
+#      only, but bumps the version counter. Its replay runs on an alias with a counter of
+#      its own unless it may use the value itself (below), so that the kept value it reads
+#      keeps its version and later checks of it pass.
 # Replaying a recorded write in backward follows the same rule from the other side: it runs
 # on the cached value itself only when that value is recomputed, not a view, has no views
 # and this op is its last pending user (dropout's ``empty_like -> bernoulli_ -> div_``);
@@ -91,14 +106,19 @@ def before_write(
         if not info.silent_writes:
             supersede_view_bases(region, written)
         key = t.untyped_storage().data_ptr()
-        entries = region._by_storage.pop(key, None)
+        entries = region._by_storage.get(key)
         if not entries:
             continue
+        remaining: list[Handle] = []
+        copied: list[Handle] = []
         for k in entries:
             if k.value is None:
                 continue
+            if k is not written and not overlap(t, k.value):
+                remaining.append(k)  # rule 4: the write leaves its bytes as they are
+                continue
             if k is not written and not info.silent_writes:
-                k.superseded = True  # an alias: it shares the version counter
+                k.superseded = True  # its bytes change (see rule 3 for other counters)
             if k is written and k.uses == 0 and info.returns_written:
                 overwritten = k  # rule 4: its new version keeps the tensor
                 continue
@@ -107,18 +127,85 @@ def before_write(
             k.value = exact_copy(k.value)
             k.version = k.value._version
             k.ref = None
+            copied.append(k)
+        if remaining:
+            region._by_storage[key] = remaining
+        else:
+            del region._by_storage[key]
+        for k in copied:
             index_storage(region, k)
     return overwritten
 
 
 def supersede_view_bases(region: Region, h: Handle) -> None:
-    """A write through a view changes the values of the view's bases too."""
-    while h.is_view and h.node_index >= 0:
-        inputs = region.nodes[h.node_index].inputs
-        if not inputs:
-            break
-        h = inputs[0]
-        h.superseded = True
+    """A write through a view changes the value of the view's base too (rule 6)."""
+    b = h.base
+    if b is not None:
+        b.superseded = True
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors on one storage may share an element; exact for strided views
+    such as slices and chunks of one tensor, conservative (``True``) otherwise.
+
+    See Note [Mutation and views], rule 4.
+    """
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.dtype != b.dtype:
+        return _span_overlap(a, b)
+    # Element sets {offset + sum(i_d * stride_d)}. Dims of size 1 or stride 0 add nothing.
+    sa = {st: n for n, st in zip(a.shape, a.stride(), strict=True) if n > 1 and st > 0}
+    sb = {st: n for n, st in zip(b.shape, b.stride(), strict=True) if n > 1 and st > 0}
+    if len(sa) != sum(1 for n, st in zip(a.shape, a.stride(), strict=True) if n > 1 and st > 0):
+        return True  # two dims with one stride: the tensor overlaps itself
+    if len(sb) != sum(1 for n, st in zip(b.shape, b.stride(), strict=True) if n > 1 and st > 0):
+        return True
+    strides = sorted(sa.keys() | sb.keys(), reverse=True)
+    delta = int(b.storage_offset()) - int(a.storage_offset())
+    # Write b's offset in a's coordinates: b's element j sits at coordinate q + j.
+    q: list[int] = []
+    rest = abs(delta)
+    for st in strides:
+        q.append(rest // st)
+        rest -= q[-1] * st
+    if rest:
+        return _span_overlap(a, b)
+    sign = 1 if delta >= 0 else -1
+    lo: list[int] = []
+    hi: list[int] = []
+    disjoint = False
+    for st, qd in zip(strides, q, strict=True):
+        na, nb, qd = sa.get(st, 1), sb.get(st, 1), sign * qd
+        lo.append(min(0, qd))
+        hi.append(max(na, qd + nb))
+        if qd >= na or qd + nb <= 0:
+            disjoint = True  # the two boxes do not meet along this dim
+    if not disjoint:
+        return True
+    # Coordinates are unique in the union box when each stride exceeds the span of the
+    # smaller ones; then disjoint boxes are disjoint element sets.
+    inner = 0
+    for st, low, high in zip(reversed(strides), reversed(lo), reversed(hi), strict=True):
+        if st <= inner:
+            return _span_overlap(a, b)
+        inner += st * (high - low - 1)
+    return False
+
+
+def _span_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges between the first and last elements of two tensors meet."""
+    sa, sb = _span(a), _span(b)
+    return sa[0] < sb[1] and sb[0] < sa[1]
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = int(t.storage_offset())
+    end = start + 1
+    for n, stride in zip(t.shape, t.stride(), strict=True):
+        end += (int(n) - 1) * int(stride)
+    size = t.element_size()
+    return start * size, end * size
 
 
 def mark_written(

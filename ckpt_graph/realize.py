@@ -84,6 +84,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import graph
 from ._debug import check_replay
 from ._errors import CkptGraphError
 from .graph import Handle, arg_at, version_of
@@ -125,12 +126,20 @@ def exact_copy(t: torch.Tensor) -> torch.Tensor:
         )
 
 
+def _where(h: Handle, region: Region) -> str:
+    """Which value of the region ``h`` is, for error messages."""
+    if h.node_index >= 0:
+        return f"output {h.index} of {region.nodes[h.node_index].info.name} (op #{h.node_index})"
+    if h.reason == graph.MUTATED_ALIAS:
+        return (
+            f"value #{h.index} the region took as it was after an in-place op on an alias "
+            "(a snapshot)"
+        )
+    return f"input #{h.index} of the region"
+
+
 def _version_error(h: Handle, region: Region, current: int) -> CkptGraphError:
-    where = (
-        f"output {h.index} of {region.nodes[h.node_index].info.name} (op #{h.node_index})"
-        if h.node_index >= 0
-        else "an input of the region"
-    )
+    where = _where(h, region)
     return CkptGraphError(
         "ckpt_graph: one of the variables needed for gradient computation has been modified by an "
         f"inplace operation: [{h.dtype} {list(h.shape)}], which is {where}, is at version "
@@ -141,8 +150,8 @@ def _version_error(h: Handle, region: Region, current: int) -> CkptGraphError:
 
 def _untracked_write_error(h: Handle, region: Region) -> CkptGraphError:
     return CkptGraphError(
-        f"ckpt_graph: output {h.index} of {region.nodes[h.node_index].info.name} (op "
-        f"#{h.node_index}) [{h.dtype} {list(h.shape)}] was written in place through an alias "
+        f"ckpt_graph: {_where(h, region)} [{h.dtype} {list(h.shape)}] was written in place "
+        "through an alias "
         "with a version counter of its own (such as `.data`) after autograd saved it: eager "
         "autograd would silently use the new values, the region can only give the old ones. "
         "Write to the tensor itself rather than its `.data` (eager then reports the "
@@ -155,6 +164,18 @@ def _check_version(region: Region, h: Handle) -> None:
     t = h.value if h.value is not None and h.offload_device is None else None
     if t is None and h.ref is not None:
         t = h.ref()
+    if t is None and h.base is not None:
+        # See Note [Mutation and views], rule 6: the view's tensor is gone (a temporary
+        # view autograd saved), but it shared its base's version counter.
+        b = h.base
+        bt = b.value if b.value is not None and b.offload_device is None else None
+        if bt is None and b.ref is not None:
+            bt = b.ref()
+        if b.superseded:
+            if bt is not None and version_of(bt) == b.version:
+                raise _untracked_write_error(h, region)
+            raise _version_error(h, region, version_of(bt) if bt is not None else h.version + 1)
+        t = bt
     if t is not None and h.version != -1 and version_of(t) != h.version:
         raise _version_error(h, region, version_of(t))
 
@@ -445,6 +466,13 @@ def _value(region: Region, a: Any) -> Any:
     return a
 
 
+def _fresh_alias(t: torch.Tensor) -> torch.Tensor:
+    """An alias of ``t`` (same storage and geometry) with a version counter of its own."""
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        alias = t.as_strided(t.size(), t.stride(), t.storage_offset())
+    return alias
+
+
 def run_node(region: Region, node: OpNode) -> None:
     """Run one recorded op on realized inputs; cache outputs that are still pending."""
     args = [_value(region, a) for a in node.args]
@@ -457,7 +485,9 @@ def run_node(region: Region, node: OpNode) -> None:
         v = arg_at(args, kwargs, w)
         alone = h.reason is None and not h.is_view and not h.has_views and h.pending <= 1
         if info.is_inplace_view:
-            v = v if alone else v.as_strided(v.size(), v.stride(), v.storage_offset())
+            # See Note [Mutation and views], rule 7: the replay must not bump the version
+            # counter of the value it reads (a kept value is checked against its version).
+            v = v if alone else _fresh_alias(v)
         elif not alone:
             v = exact_copy(v)
         if isinstance(w, int):
@@ -499,7 +529,22 @@ def run_node(region: Region, node: OpNode) -> None:
             _release_use(region, state, i)
 
 
+# Note [Ops that read grad mode]
+# A few kernels decide from grad mode whether to return what their backward needs: on CPU
+# ``mkldnn_rnn_layer`` (nn.LSTM) returns its workspace only with grad enabled. The forward
+# ran them with grad enabled; recompute runs with grad disabled (see the replay context),
+# so these ops run with grad enabled again, below autograd (no graph is built).
+_GRAD_MODE_OPS = frozenset(
+    op
+    for name in ("mkldnn_rnn_layer", "_cudnn_rnn", "miopen_rnn")
+    if (op := getattr(getattr(torch.ops.aten, name, None), "default", None)) is not None
+)
+
+
 def _call(node: OpNode, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    if node.op in _GRAD_MODE_OPS:
+        with torch._C._AutoDispatchBelowAutograd(), torch.enable_grad():
+            return node.op(*args, **kwargs)
     if node.rng is None:
         return node.op(*args, **kwargs)
     gen, state = node.rng

@@ -191,7 +191,9 @@ class Recorder(TorchDispatchMode):
             region._unsettled.append(h)
             h.is_view = True
             if uniq:
-                uniq[0].has_views = True
+                b = uniq[0]
+                b.has_views = True
+                h.base = b.base or b
         ids[id(out)] = h
         node.outputs = (h,)
         nodes.append(node)
@@ -288,14 +290,17 @@ def record_node(
             if info.returns_written:
                 h.version = -1
                 region._unsettled.append(h)
-                if previous is not None:
+                if previous is not None:  # See Note [Mutation and views], rule 6.
                     h.is_view, h.has_views = previous.is_view, previous.has_views
+                    h.base = previous.base
             elif info.view_outputs:
                 h.version = -1
                 region._unsettled.append(h)
                 h.is_view = True
                 if inputs:
-                    inputs[0].has_views = True
+                    b = inputs[0]
+                    b.has_views = True
+                    h.base = b.base or b
             ids[id(o)] = h
             handles.append(h)
         node.outputs = tuple(handles)
