@@ -12,9 +12,17 @@
 #   2. Written arguments that the op does not return (running statistics) are dropped
 #      from the map: their next use takes the tensor as it is (a kept snapshot).
 #   3. A tensor whose version changed through another alias (``x[0:2].mul_(3)`` changes
-#      ``x``) no longer matches its handle; its next use takes it as a kept snapshot
-#      (reason ``MUTATED_ALIAS``). Correct, and rare in models; deriving the new value by
-#      replaying view ops on the new base would avoid keeping it. The same holds for a
+#      ``x``; ``out[:, t] = h`` in an RNN loop changes ``out``) no longer matches its
+#      handle. The region keeps a ``StorageHistory`` per written storage: its ``head`` is
+#      the result of the last write, whose recomputation holds every write so far as long
+#      as each write starts from the head or a view of it. The tensor's next use is then
+#      *rebased*: an engine-made ``as_strided`` op node views the head with the tensor's
+#      sizes, strides and storage offset, recomputed like any view (filling a buffer step
+#      by step keeps nothing, where a snapshot per step cost a copy of the buffer per
+#      write: a quadratic peak). Otherwise (a write that started elsewhere, such as chunks
+#      with counters of their own, several written arguments, a host-offloaded head) the
+#      next use takes the tensor as a kept snapshot (reason ``MUTATED_ALIAS``). The same
+#      holds for a
 #      write through an alias with a version counter of its own (``x.data.mul_(3)``, seen
 #      as a ``detach`` view): the version stays, but the handle is superseded. A saved
 #      tensor of the old value then cannot be served as eager would (eager reads the new
@@ -56,14 +64,49 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy
 
-from .graph import Handle, OpInfo, arg_at
+from .graph import Handle, OpInfo, OpNode, arg_at, op_info
 from .realize import exact_copy
 
 if TYPE_CHECKING:
     from .region import Region
 
-__all__ = ["before_write", "capture_rng", "index_storage", "mark_written", "supersede_view_bases"]
+__all__ = [
+    "StorageHistory",
+    "before_write",
+    "capture_rng",
+    "index_storage",
+    "mark_written",
+    "overlap",
+    "rebase",
+    "supersede_view_bases",
+]
+
+_AS_STRIDED = torch.ops.aten.as_strided.default
+_CHAIN_LIMIT = 64  # views followed back to the last write (see ``_descends``)
+
+
+class StorageHistory:
+    """The writes of the region to one storage. See Note [Mutation and views], rule 3.
+
+    Attributes:
+        head: handle of the value the last write returned, whose recomputation holds
+            every write to the storage so far; ``None`` before the first write or once
+            ``diverged``.
+        roots: handles of the values written to (or through views of), not themselves
+            views: a stale view of one of them can be rebased on ``head``.
+        diverged: a write did not start from ``head`` (chunks with counters of their own
+            written one by one): its recomputation may miss earlier writes, so stale
+            values of the storage are kept as snapshots instead.
+    """
+
+    __slots__ = ("diverged", "head", "roots")
+
+    def __init__(self) -> None:
+        self.head: Handle | None = None
+        self.roots: set[Handle] = set()
+        self.diverged = False
 
 
 def index_storage(region: Region, h: Handle) -> None:
@@ -106,6 +149,7 @@ def before_write(
         if not info.silent_writes:
             supersede_view_bases(region, written)
         key = t.untyped_storage().data_ptr()
+        _note_write(region, info, key, written)
         entries = region._by_storage.get(key)
         if not entries:
             continue
@@ -135,6 +179,82 @@ def before_write(
         for k in copied:
             index_storage(region, k)
     return overwritten
+
+
+def _note_write(region: Region, info: OpInfo, key: int, written: Handle) -> None:
+    """Update the storage's history before a write; ``after_write`` sets the new head."""
+    history = region._storages.get(key)
+    if history is None:
+        history = region._storages[key] = StorageHistory()
+    region._writing = None
+    if history.diverged:
+        return
+    if (
+        len(info.writes) != 1
+        or not info.returns_written
+        or info.silent_writes
+        or (history.head is not None and not _descends(region, written, history.head))
+    ):
+        history.diverged = True
+        history.head = None
+        return
+    history.roots.add(written.base or written)
+    region._writing = history
+
+
+def after_write(region: Region, out: Handle | None) -> None:
+    """The write recorded by ``before_write`` returned ``out``: the storage's new head."""
+    history = region._writing
+    if history is not None:
+        region._writing = None
+        if out is None:
+            history.diverged = True
+            history.head = None
+        else:
+            history.head = out
+
+
+def _descends(region: Region, h: Handle, head: Handle) -> bool:
+    """Whether ``h`` is ``head`` or a view of it (through view ops only)."""
+    nodes = region.nodes
+    for _ in range(_CHAIN_LIMIT):
+        if h is head:
+            return True
+        if not h.is_view or h.node_index < 0:
+            return False
+        node = nodes[h.node_index]
+        if node.info.writes or not node.inputs:
+            return False
+        h = node.inputs[0]
+    return False
+
+
+def rebase(region: Region, t: torch.Tensor, old: Handle) -> Handle | None:
+    """The value ``t`` holds after writes to its storage through other aliases, as a view
+    of the last write's result, or ``None`` if it cannot be derived so (rule 3).
+
+    ``old`` is the handle of the value ``t`` held before.
+    """
+    history = region._storages.get(t.untyped_storage().data_ptr())
+    if history is None or history.head is None or (old.base or old) not in history.roots:
+        return None
+    head = history.head
+    if head.offload_device is not None or head.dtype != t.dtype:
+        return None  # a host copy keeps only the view's elements, not the storage
+    index = len(region.nodes)
+    args = (head, list(t.size()), list(t.stride()), int(t.storage_offset()))
+    node = OpNode(index, _AS_STRIDED, op_info(_AS_STRIDED), args, {}, (head,))
+    head.uses += 1
+    head.has_views = True
+    h = Handle(t, index, 0)
+    h.is_view = True  # its bytes belong to the last write's value; its own base
+    node.outputs = (h,)
+    node.decision = CheckpointPolicy.PREFER_RECOMPUTE
+    node.decided_by = "engine"
+    node.module_path = region._modules.current_path
+    region.nodes.append(node)
+    history.roots.add(h)
+    return h
 
 
 def supersede_view_bases(region: Region, h: Handle) -> None:

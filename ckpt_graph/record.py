@@ -17,7 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from . import graph
 from ._debug import checksums
 from .graph import _OP_INFO, Handle, OpInfo, OpNode, op_info
-from .mutation import before_write, capture_rng, index_storage, mark_written
+from .mutation import after_write, before_write, capture_rng, index_storage, mark_written
 from .policies._core import resolve
 
 if TYPE_CHECKING:
@@ -304,6 +304,8 @@ def record_node(
             ids[id(o)] = h
             handles.append(h)
         node.outputs = tuple(handles)
+    if info.writes and region._writing is not None:  # See Note [Mutation and views], rule 3.
+        after_write(region, node.outputs[0] if len(node.outputs) == 1 else None)
     if region.debug:
         node.stack = "".join(traceback.format_stack(limit=14)[:-4])
         node.checksums = checksums(outs)

@@ -17,6 +17,7 @@ from torch import nn
 
 import ckpt_graph as cg
 from ckpt_graph import policies
+from ckpt_graph.memory import measure
 from ckpt_graph.mutation import overlap
 
 POLICIES = ["recompute_all", "must_save_all"]
@@ -209,3 +210,77 @@ def _out_into_view(a_src: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("policy", POLICIES)
 def test_out_into_view_then_writes_through_views(policy: Any) -> None:
     check(_out_into_view, [leaf(4, grad=False), leaf(4)], policy)
+
+
+# -------------------------------------------- items 12 and 13: loops of writes through views
+
+
+def _fill_loop(steps: int) -> Callable[..., torch.Tensor]:
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(x.shape[0], x.shape[2], dtype=x.dtype)
+        out = torch.zeros(x.shape, dtype=x.dtype)
+        for t in range(steps):
+            h = torch.tanh(x[:, t] @ w + h)
+            out[:, t] = h
+        return out * out  # saves the filled buffer: backward recomputes it
+
+    return fn
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES, ids=ALL_IDS)
+def test_buffer_filled_step_by_step_exact(policy: Any) -> None:
+    check(_fill_loop(12), [leaf(3, 12, 5), leaf(5, 5, seed=1)], policy)
+
+
+def _fill_peak(steps: int, policy: str | None) -> int:
+    x = leaf(8, steps, 32, dtype=torch.float32)
+    w = leaf(32, 32, dtype=torch.float32, seed=1)
+    fn = _fill_loop(steps)
+
+    def step() -> None:
+        scope: Any = cg.save_recompute_policy(policy) if policy else contextlib.nullcontext()
+        with scope:
+            out = fn(x, w)
+        out.sum().backward()
+
+    return measure(step).peak_bytes
+
+
+def test_buffer_filled_step_by_step_peak_no_higher_than_eager() -> None:
+    """Each write used to keep a copy of the whole buffer: a quadratic peak."""
+    peaks = {}
+    for steps in (40, 80):
+        eager = _fill_peak(steps, None)
+        region = _fill_peak(steps, "recompute_all")
+        assert region <= eager + 16 * 1024, (steps, region, eager)
+        peaks[steps] = region
+    assert peaks[80] <= 2.2 * peaks[40], peaks  # linear in the number of steps
+
+
+def _view_updates(x: torch.Tensor) -> torch.Tensor:
+    y = x * 1
+    v = y[1]
+    for _ in range(50):
+        v.mul_(1.01)
+    v.add_(y[0])
+    return y * y
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES, ids=ALL_IDS)
+def test_repeated_writes_through_one_view_exact(policy: Any) -> None:
+    check(_view_updates, [leaf(4, 8)], policy)
+
+
+def test_write_through_view_rebases_instead_of_keeping_a_snapshot() -> None:
+    """After a write through ``out[:, t]``, the next use of ``out`` is a view of the write's
+    result (recomputed), not a kept copy of the buffer."""
+    x, w = leaf(2, 6, 3), leaf(3, 3, seed=1)
+    with cg.save_recompute_policy("recompute_all") as region:
+        _fill_loop(6)(x, w)
+    assert not [
+        h
+        for h in region.inputs
+        if h.reason == "engine: value changed by an in-place op on an alias"
+    ]
+    # one per use of `out` after a write: the selects of steps 1..5 and the final product
+    assert sum(n.info.name == "aten.as_strided.default" for n in region.nodes) == 6
