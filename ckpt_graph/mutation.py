@@ -48,6 +48,9 @@
 #      is gone (``y[0].sin()`` saves a temporary) is checked through its base: superseded
 #      in the region, or a version change of the base tensor after it, raises as eager
 #      does.
+#      Outputs of ``unsafe_chunk`` and its kin alias their input with version counters of
+#      their own and no view relation: a write to one supersedes the value it was cut
+#      from (nn.LSTM's gates), whose next use is rebased or a snapshot.
 #   7. An in-place view op (``t_``, ``unsqueeze_``, ``as_strided_``) changes metadata
 #      only, but bumps the version counter. Its replay runs on an alias with a counter of
 #      its own unless it may use the value itself (below), so that the kept value it reads
@@ -198,7 +201,11 @@ def _note_write(region: Region, info: OpInfo, key: int, written: Handle) -> None
         history.diverged = True
         history.head = None
         return
-    history.roots.add(written.base or written)
+    root = written.base or written
+    history.roots.add(root)
+    src = _alias_source(region, root)
+    if src is not None:
+        history.roots.add(src)
     region._writing = history
 
 
@@ -257,11 +264,38 @@ def rebase(region: Region, t: torch.Tensor, old: Handle) -> Handle | None:
     return h
 
 
+# Ops returning aliases of their input without saying so in their schema (each output has
+# a version counter of its own). See Note [Mutation and views], rule 6.
+_UNANNOTATED_ALIASES = frozenset(
+    {
+        torch.ops.aten.unsafe_split.Tensor,
+        torch.ops.aten.unsafe_split_with_sizes.default,
+        torch.ops.aten.unsafe_chunk.default,
+        torch.ops.aten._unsafe_view.default,
+    }
+)
+
+
+def _alias_source(region: Region, root: Handle) -> Handle | None:
+    """The value whose storage ``root`` aliases without being its view (``unsafe_chunk``)."""
+    if root.node_index < 0:
+        return None
+    node = region.nodes[root.node_index]
+    if node.op not in _UNANNOTATED_ALIASES or not node.inputs:
+        return None
+    src = node.inputs[0]
+    return src.base or src
+
+
 def supersede_view_bases(region: Region, h: Handle) -> None:
-    """A write through a view changes the value of the view's base too (rule 6)."""
+    """A write through a view changes the value of the view's base too (rule 6), and a
+    write to an ``unsafe_chunk`` output the value it was cut from."""
     b = h.base
     if b is not None:
         b.superseded = True
+    src = _alias_source(region, b or h)
+    if src is not None:
+        src.superseded = True
 
 
 def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -307,6 +307,7 @@ def begin_pass(region: Region, task: int) -> None:
     state.number += 1
     state.recomputed_ops = 0
     state.peak_cached_bytes = 0
+    _recompute_changed_kept(region)
     for node in reversed(region.nodes):
         needed = False
         for o in node.outputs:
@@ -321,6 +322,81 @@ def begin_pass(region: Region, task: int) -> None:
     _mark_transient(region)
     if task != -1:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: end_pass(region))
+
+
+# Note [Kept values changed after the region]
+# The region keeps values autograd never saved (by policy, by tag, a slice of a tagged
+# tensor, the engine's own keeps). Writing such a tensor in place after the region is legal
+# in eager, where nothing refers to the old value; the region, though, may need it to
+# recompute other values. At the start of each backward pass, a kept op node output whose
+# version changed and that no saved tensor refers to is recomputed from now on (dropped, as
+# if the policy had said so), when its producer's inputs are still available: kept and
+# unchanged, or themselves recomputable. A changed value that cannot be recomputed (a
+# region input, a snapshot, an input already released) still raises the version error
+# when used.
+def _recompute_changed_kept(region: Region) -> None:
+    """See Note [Kept values changed after the region]."""
+    if not any(o is not None and _changed(o) for node in region.nodes for o in node.outputs):
+        return
+    unavailable: set[Handle] = set()
+    for h in region.inputs:
+        if _changed(h) or (h.value is None and _forward_tensor(h) is None):
+            unavailable.add(h)
+    nodes = region.nodes
+    for node in nodes:
+        inputs_ok = not any(i in unavailable for i in node.inputs)
+        for o in node.outputs:
+            if o is None:
+                continue
+            if o.reason is None:
+                if not inputs_ok:
+                    unavailable.add(o)
+            elif _changed(o):
+                if not inputs_ok or o.packs > 0:
+                    unavailable.add(o)
+                    continue
+                if not o.is_view:
+                    region.kept_bytes -= o.nbytes
+                o.drop()
+                _hold_inputs(region, node)
+            elif o.value is None and _forward_tensor(o) is None:
+                unavailable.add(o)
+
+
+def _forward_tensor(h: Handle) -> torch.Tensor | None:
+    """The forward tensor of a released kept value, if it still holds that value."""
+    t = h.ref() if h.ref is not None else None
+    if t is None or h.version == -1 or version_of(t) != h.version:
+        return None
+    return t
+
+
+def _hold_inputs(region: Region, node: OpNode) -> None:
+    """Hold again the released kept values that recomputing ``node`` reads."""
+    stack = list(node.inputs)
+    seen: set[Handle] = set()
+    while stack:
+        h = stack.pop()
+        if h in seen:
+            continue
+        seen.add(h)
+        if h.reason is None:
+            stack.extend(region.nodes[h.node_index].inputs)
+        elif h.value is None:
+            t = _forward_tensor(h)
+            if t is not None:
+                h.value = region._detached(t)
+
+
+def _changed(h: Handle) -> bool:
+    """Whether a kept value's tensor was written since the region kept it."""
+    v = h.value
+    return (
+        v is not None
+        and h.offload_device is None
+        and h.version != -1
+        and version_of(v) != h.version
+    )
 
 
 # Values below this size stay cached: an extra run costs ~10 us of Python per use, more than

@@ -284,3 +284,92 @@ def test_write_through_view_rebases_instead_of_keeping_a_snapshot() -> None:
     ]
     # one per use of `out` after a write: the selects of steps 1..5 and the final product
     assert sum(n.info.name == "aten.as_strided.default" for n in region.nodes) == 6
+
+
+def test_write_to_a_chunk_changes_the_tensor_it_was_cut_from() -> None:
+    """``unsafe_chunk`` outputs alias their input with counters of their own: the input's
+    next use must see the writes (it was recomputed without them: a wrong gradient)."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        g = x * 2
+        a, b = g.unsafe_chunk(2, 1)
+        a.sigmoid_()
+        b.tanh_()
+        return (g * 3).exp()
+
+    for policy in ALL_POLICIES:
+        check(fn, [leaf(3, 8)], policy)
+
+
+# ------------------------- item 9: writes after the region to values eager never saved
+
+
+def _keep_sin(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    return op is torch.ops.aten.sin.default  # True keeps, False recomputes
+
+
+def _kept_by_policy(scope: Any, x: torch.Tensor) -> torch.Tensor:
+    with scope():
+        y = x.sin()  # kept by the policy; sin saves x, not y
+        w = (y * 2).exp()  # recomputing w reads y
+    y.add_(1)  # legal in eager: nothing saved y
+    return w
+
+
+def _tagged_slice(scope: Any, x: torch.Tensor) -> torch.Tensor:
+    with scope() as region:
+        y = x * 2
+        s = y[0:2]
+        if region is not None:
+            cg.tag_with_policy(s, True)
+        w = (s * 2).exp()
+    y[2:4].mul_(2)  # the sibling slice: s's bytes stay, its version counter moves
+    return w
+
+
+def _after_write_through_view(scope: Any, x: torch.Tensor) -> torch.Tensor:
+    with scope():
+        y = x * 2
+        y[0].mul_(2)
+        w = (y * 3).exp()  # y's value after the write through its view
+    y.mul_(2)
+    return w
+
+
+@pytest.mark.parametrize(
+    ("fn", "policy"),
+    [
+        (_kept_by_policy, _keep_sin),
+        (_tagged_slice, "recompute_all"),
+        (_after_write_through_view, "recompute_all"),
+        (_after_write_through_view, "must_save_all"),
+    ],
+    ids=["kept-by-policy", "tagged-slice", "snapshot-recompute_all", "snapshot-must_save_all"],
+)
+def test_write_after_region_to_value_eager_never_saved(fn: Callable[..., Any], policy: Any) -> None:
+    check(fn, [leaf(4, 4)], policy, scoped=True)
+
+
+def test_write_after_region_to_saved_kept_value_still_raises() -> None:
+    x = leaf(4, 4)
+    with cg.save_recompute_policy(_keep_sin):
+        y = x.sin()
+        w = y.exp() * y  # saves y
+    y.add_(1)
+    with pytest.raises(
+        cg.CkptGraphError, match=r"^ckpt_graph: .* output 0 of aten.sin.default \(op #0\)"
+    ):
+        w.sum().backward()
+
+
+def test_snapshot_named_as_snapshot_in_version_error() -> None:
+    x = leaf(3, 8)
+    with cg.save_recompute_policy("recompute_all"):
+        g = x * 2
+        a, b = g.unsafe_chunk(2, 1)
+        a.sigmoid_()
+        b.tanh_()  # two writes from two chunks: g's next use is a snapshot
+        w = g * x  # saves the snapshot
+    g.add_(1)
+    with pytest.raises(cg.CkptGraphError, match=r"which is value #\d+ the region took as it"):
+        w.sum().backward()
