@@ -31,7 +31,9 @@
 #      every kept value in that storage whose elements the write may touch (``overlap``:
 #      exact for slices and chunks, conservative otherwise) and that some op node or saved
 #      tensor already used is replaced by an exact copy (same storage offset and strides),
-#      because the write would change it under them; it is also superseded. Kept values
+#      because the write would change it under them; it is also superseded (the copy
+#      carries the value's version, and the handle still refers to the tensor, so that
+#      the tensor's next use is rebased, rule 3). Kept values
 #      of the storage the write leaves alone stay as they are: the gates of nn.LSTM are
 #      chunks of one tensor (``unsafe_chunk``, each with a version counter of its own)
 #      written in place one after another. A kept value the op overwrites with nobody
@@ -87,6 +89,7 @@ __all__ = [
 ]
 
 _AS_STRIDED = torch.ops.aten.as_strided.default
+_set_versions = torch._C._autograd._unsafe_set_version_counter
 _CHAIN_LIMIT = 64  # views followed back to the last write (see ``_descends``)
 
 
@@ -172,8 +175,12 @@ def before_write(
             if k.uses == 0 and (k is not written or info.returns_written):
                 continue  # nobody needs the old value (this op does if it has other outputs)
             k.value = exact_copy(k.value)
-            k.version = k.value._version
-            k.ref = None
+            if k.version >= 0:  # the copy carries the version the value had
+                _set_versions((k.value,), (k.version,))
+            else:
+                k.version = k.value._version
+            if info.silent_writes:
+                k.ref = None  # the tensor's version stays: it must not match ``k`` again
             copied.append(k)
         if remaining:
             region._by_storage[key] = remaining

@@ -257,6 +257,14 @@ def test_buffer_filled_step_by_step_peak_no_higher_than_eager() -> None:
     assert peaks[80] <= 2.2 * peaks[40], peaks  # linear in the number of steps
 
 
+def test_buffer_filled_step_by_step_peak_linear_when_all_kept() -> None:
+    """must_save_all keeps every step's values (more than eager saves), but no copy of the
+    buffer per write: the kept zeros are copied once, then each use is rebased."""
+    small, large = _fill_peak(40, "must_save_all"), _fill_peak(80, "must_save_all")
+    assert large <= 2.2 * small, (small, large)
+    assert small <= 2 * _fill_peak(40, None), small
+
+
 def _view_updates(x: torch.Tensor) -> torch.Tensor:
     y = x * 1
     v = y[1]
