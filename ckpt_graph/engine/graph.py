@@ -75,6 +75,9 @@ class Handle:
         shape, dtype, nbytes: metadata of the value; stride and device are filled in
             when autograd saves it (the fake implementation of ``ckpt_graph::unpack``).
         is_view: the value aliases the storage of another handle (a view op output).
+        base: for a view (``is_view``), the handle of the value it is a view of, followed
+            through views to one that is not a view: the value whose storage and version
+            counter it shares (see Note [Mutation and views]); ``None`` otherwise.
         has_views: some view op of the region took this value as input.
         superseded: an in-place op of the region wrote over this value; autograd saved
             tensors of this value raise the version-counter error when unpacked.
@@ -93,6 +96,7 @@ class Handle:
 
     __slots__ = (
         "__weakref__",
+        "base",
         "cache",
         "device",
         "dtype",
@@ -134,6 +138,7 @@ class Handle:
         self.stride: tuple[int, ...] | None = None  # set when autograd saves the value
         self.device: torch.device | None = None  # likewise
         self.is_view = False
+        self.base: Handle | None = None
         self.has_views = False
         self.superseded = False
         self.uses = 0

@@ -12,23 +12,51 @@
 #   2. Written arguments that the op does not return (running statistics) are dropped
 #      from the map: their next use takes the tensor as it is (a kept snapshot).
 #   3. A tensor whose version changed through another alias (``x[0:2].mul_(3)`` changes
-#      ``x``) no longer matches its handle; its next use takes it as a kept snapshot
-#      (reason ``MUTATED_ALIAS``). Correct, and rare in models; deriving the new value by
-#      replaying view ops on the new base would avoid keeping it. The same holds for a
+#      ``x``; ``out[:, t] = h`` in an RNN loop changes ``out``) no longer matches its
+#      handle. The region keeps a ``StorageHistory`` per written storage: its ``head`` is
+#      the result of the last write, whose recomputation holds every write so far as long
+#      as each write starts from the head or a view of it. The tensor's next use is then
+#      *rebased*: an engine-made ``as_strided`` op node views the head with the tensor's
+#      sizes, strides and storage offset, recomputed like any view (filling a buffer step
+#      by step keeps nothing, where a snapshot per step cost a copy of the buffer per
+#      write: a quadratic peak). Otherwise (a write that started elsewhere, such as chunks
+#      with counters of their own, several written arguments, a host-offloaded head) the
+#      next use takes the tensor as a kept snapshot (reason ``MUTATED_ALIAS``). The same
+#      holds for a
 #      write through an alias with a version counter of its own (``x.data.mul_(3)``, seen
 #      as a ``detach`` view): the version stays, but the handle is superseded. A saved
 #      tensor of the old value then cannot be served as eager would (eager reads the new
 #      values, unchecked), and unpacking it raises an error naming ``.data``.
 #   4. Kept values are shared with the forward tensors. Before an op writes a storage,
-#      every kept value in that storage that some op node or saved tensor already used is
-#      replaced by an exact copy (same storage offset and strides), because the write would
-#      change it under them. A kept value the op overwrites with nobody else needing it is
-#      not copied; its new version is kept instead (``INPLACE_ON_KEPT``), which costs no
-#      memory since it is the same tensor.
+#      every kept value in that storage whose elements the write may touch (``overlap``:
+#      exact for slices and chunks, conservative otherwise) and that some op node or saved
+#      tensor already used is replaced by an exact copy (same storage offset and strides),
+#      because the write would change it under them; it is also superseded (the copy
+#      carries the value's version, and the handle still refers to the tensor, so that
+#      the tensor's next use is rebased, rule 3). Kept values
+#      of the storage the write leaves alone stay as they are: the gates of nn.LSTM are
+#      chunks of one tensor (``unsafe_chunk``, each with a version counter of its own)
+#      written in place one after another. A kept value the op overwrites with nobody
+#      else needing it is not copied; its new version is kept instead
+#      (``INPLACE_ON_KEPT``), which costs no memory since it is the same tensor.
 #   5. The version of an in-place op's output (bumped) and of a view op's output (shared
 #      with its base) is only set by autograd after this mode returns: those handles start
 #      at -1 and read the tensor's version when the region next sees anything
 #      (``Region._settle``), before any other op can change it.
+#   6. A view's handle names its ``base``: the handle, not itself a view, whose storage
+#      and version counter it shares (view ops take it from their input; in-place and
+#      ``out=`` results from the argument they wrote). A write through a view supersedes
+#      the base, in one step however many writes came before. A saved view whose tensor
+#      is gone (``y[0].sin()`` saves a temporary) is checked through its base: superseded
+#      in the region, or a version change of the base tensor after it, raises as eager
+#      does.
+#      Outputs of ``unsafe_chunk`` and its kin alias their input with version counters of
+#      their own and no view relation: a write to one supersedes the value it was cut
+#      from (nn.LSTM's gates), whose next use is rebased or a snapshot.
+#   7. An in-place view op (``t_``, ``unsqueeze_``, ``as_strided_``) changes metadata
+#      only, but bumps the version counter. Its replay runs on an alias with a counter of
+#      its own unless it may use the value itself (below), so that the kept value it reads
+#      keeps its version and later checks of it pass.
 # Replaying a recorded write in backward follows the same rule from the other side: it runs
 # on the cached value itself only when that value is recomputed, not a view, has no views
 # and this op is its last pending user (dropout's ``empty_like -> bernoulli_ -> div_``);
@@ -41,14 +69,50 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy
 
-from ckpt_graph.engine.graph import SILENT_WRITE, Handle, OpInfo, arg_at
+from ckpt_graph.engine.graph import SILENT_WRITE, Handle, OpInfo, OpNode, arg_at, op_info
 from ckpt_graph.engine.realize import exact_copy
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
 
-__all__ = ["before_write", "capture_rng", "index_storage", "mark_written", "supersede_view_bases"]
+__all__ = [
+    "StorageHistory",
+    "before_write",
+    "capture_rng",
+    "index_storage",
+    "mark_written",
+    "overlap",
+    "rebase",
+    "supersede_view_bases",
+]
+
+_AS_STRIDED = torch.ops.aten.as_strided.default
+_set_versions = torch._C._autograd._unsafe_set_version_counter
+_CHAIN_LIMIT = 64  # views followed back to the last write (see ``_descends``)
+
+
+class StorageHistory:
+    """The writes of the region to one storage. See Note [Mutation and views], rule 3.
+
+    Attributes:
+        head: handle of the value the last write returned, whose recomputation holds
+            every write to the storage so far; ``None`` before the first write or once
+            ``diverged``.
+        roots: handles of the values written to (or through views of), not themselves
+            views: a stale view of one of them can be rebased on ``head``.
+        diverged: a write did not start from ``head`` (chunks with counters of their own
+            written one by one): its recomputation may miss earlier writes, so stale
+            values of the storage are kept as snapshots instead.
+    """
+
+    __slots__ = ("diverged", "head", "roots")
+
+    def __init__(self) -> None:
+        self.head: Handle | None = None
+        self.roots: set[Handle] = set()
+        self.diverged = False
 
 
 def index_storage(region: Region, h: Handle) -> None:
@@ -91,16 +155,22 @@ def before_write(
         if not info.silent_writes:
             supersede_view_bases(region, written)
         key = t.untyped_storage().data_ptr()
-        entries = region._by_storage.pop(key, None)
+        _note_write(region, info, key, written)
+        entries = region._by_storage.get(key)
         if not entries:
             continue
+        remaining: list[Handle] = []
+        copied: list[Handle] = []
         for k in entries:
             if k.value is None:
                 continue
             if k is written and k.reason is SILENT_WRITE:
                 continue  # saved tensors read the new value: see Note [Silent writes]
+            if k is not written and not overlap(t, k.value):
+                remaining.append(k)  # rule 4: the write leaves its bytes as they are
+                continue
             if k is not written and not info.silent_writes:
-                k.superseded = True  # an alias: it shares the version counter
+                k.superseded = True  # its bytes change (see rule 3 for other counters)
             if k is written and k.uses == 0 and info.returns_written:
                 overwritten = k  # rule 4: its new version keeps the tensor
                 continue
@@ -110,20 +180,198 @@ def before_write(
             if k.node_index < 0 or k.is_view:
                 # New memory the region holds: a region input or a view was not counted.
                 region.kept_bytes += k.value.untyped_storage().nbytes()
-            k.version = k.value._version
-            k.ref = None
+            if k.version >= 0:  # the copy carries the version the value had
+                _set_versions((k.value,), (k.version,))
+            else:
+                k.version = k.value._version
+            if info.silent_writes:
+                k.ref = None  # the tensor's version stays: it must not match ``k`` again
+            copied.append(k)
+        if remaining:
+            region._by_storage[key] = remaining
+        else:
+            del region._by_storage[key]
+        for k in copied:
             index_storage(region, k)
     return overwritten
 
 
+def _note_write(region: Region, info: OpInfo, key: int, written: Handle) -> None:
+    """Update the storage's history before a write; ``after_write`` sets the new head."""
+    history = region._storages.get(key)
+    if history is None:
+        history = region._storages[key] = StorageHistory()
+    region._writing = None
+    if history.diverged:
+        return
+    if (
+        len(info.writes) != 1
+        or not info.returns_written
+        or info.silent_writes
+        or (history.head is not None and not _descends(region, written, history.head))
+    ):
+        history.diverged = True
+        history.head = None
+        return
+    root = written.base or written
+    history.roots.add(root)
+    src = _alias_source(region, root)
+    if src is not None:
+        history.roots.add(src)
+    region._writing = history
+
+
+def after_write(region: Region, out: Handle | None) -> None:
+    """The write recorded by ``before_write`` returned ``out``: the storage's new head."""
+    history = region._writing
+    if history is not None:
+        region._writing = None
+        if out is None:
+            history.diverged = True
+            history.head = None
+        else:
+            history.head = out
+
+
+def _descends(region: Region, h: Handle, head: Handle) -> bool:
+    """Whether ``h`` is ``head`` or a view of it (through view ops only)."""
+    nodes = region.nodes
+    for _ in range(_CHAIN_LIMIT):
+        if h is head:
+            return True
+        if not h.is_view or h.node_index < 0:
+            return False
+        node = nodes[h.node_index]
+        if node.info.writes or not node.inputs:
+            return False
+        h = node.inputs[0]
+    return False
+
+
+def rebase(region: Region, t: torch.Tensor, old: Handle) -> Handle | None:
+    """The value ``t`` holds after writes to its storage through other aliases, as a view
+    of the last write's result, or ``None`` if it cannot be derived so (rule 3).
+
+    ``old`` is the handle of the value ``t`` held before.
+    """
+    history = region._storages.get(t.untyped_storage().data_ptr())
+    if history is None or history.head is None or (old.base or old) not in history.roots:
+        return None
+    head = history.head
+    if head.offload_device is not None or head.dtype != t.dtype:
+        return None  # a host copy keeps only the view's elements, not the storage
+    index = len(region.nodes)
+    args = (head, list(t.size()), list(t.stride()), int(t.storage_offset()))
+    node = OpNode(index, _AS_STRIDED, op_info(_AS_STRIDED), args, {}, (head,))
+    head.uses += 1
+    head.has_views = True
+    h = Handle(t, index, 0)
+    h.is_view = True  # its bytes belong to the last write's value; its own base
+    node.outputs = (h,)
+    node.decision = CheckpointPolicy.PREFER_RECOMPUTE
+    node.decided_by = "engine"
+    node.module_path = region._modules.current_path
+    region.nodes.append(node)
+    history.roots.add(h)
+    return h
+
+
+# Ops returning aliases of their input without saying so in their schema (each output has
+# a version counter of its own). See Note [Mutation and views], rule 6.
+_UNANNOTATED_ALIASES = frozenset(
+    {
+        torch.ops.aten.unsafe_split.Tensor,
+        torch.ops.aten.unsafe_split_with_sizes.default,
+        torch.ops.aten.unsafe_chunk.default,
+        torch.ops.aten._unsafe_view.default,
+    }
+)
+
+
+def _alias_source(region: Region, root: Handle) -> Handle | None:
+    """The value whose storage ``root`` aliases without being its view (``unsafe_chunk``)."""
+    if root.node_index < 0:
+        return None
+    node = region.nodes[root.node_index]
+    if node.op not in _UNANNOTATED_ALIASES or not node.inputs:
+        return None
+    src = node.inputs[0]
+    return src.base or src
+
+
 def supersede_view_bases(region: Region, h: Handle) -> None:
-    """A write through a view changes the values of the view's bases too."""
-    while h.is_view and h.node_index >= 0:
-        inputs = region.nodes[h.node_index].inputs
-        if not inputs:
-            break
-        h = inputs[0]
-        h.superseded = True
+    """A write through a view changes the value of the view's base too (rule 6), and a
+    write to an ``unsafe_chunk`` output the value it was cut from."""
+    b = h.base
+    if b is not None:
+        b.superseded = True
+    src = _alias_source(region, b or h)
+    if src is not None:
+        src.superseded = True
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors on one storage may share an element; exact for strided views
+    such as slices and chunks of one tensor, conservative (``True``) otherwise.
+
+    See Note [Mutation and views], rule 4.
+    """
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.dtype != b.dtype:
+        return _span_overlap(a, b)
+    # Element sets {offset + sum(i_d * stride_d)}. Dims of size 1 or stride 0 add nothing.
+    sa = {st: n for n, st in zip(a.shape, a.stride(), strict=True) if n > 1 and st > 0}
+    sb = {st: n for n, st in zip(b.shape, b.stride(), strict=True) if n > 1 and st > 0}
+    if len(sa) != sum(1 for n, st in zip(a.shape, a.stride(), strict=True) if n > 1 and st > 0):
+        return True  # two dims with one stride: the tensor overlaps itself
+    if len(sb) != sum(1 for n, st in zip(b.shape, b.stride(), strict=True) if n > 1 and st > 0):
+        return True
+    strides = sorted(sa.keys() | sb.keys(), reverse=True)
+    delta = int(b.storage_offset()) - int(a.storage_offset())
+    # Write b's offset in a's coordinates: b's element j sits at coordinate q + j.
+    q: list[int] = []
+    rest = abs(delta)
+    for st in strides:
+        q.append(rest // st)
+        rest -= q[-1] * st
+    if rest:
+        return _span_overlap(a, b)
+    sign = 1 if delta >= 0 else -1
+    lo: list[int] = []
+    hi: list[int] = []
+    disjoint = False
+    for st, qd in zip(strides, q, strict=True):
+        na, nb, qd = sa.get(st, 1), sb.get(st, 1), sign * qd
+        lo.append(min(0, qd))
+        hi.append(max(na, qd + nb))
+        if qd >= na or qd + nb <= 0:
+            disjoint = True  # the two boxes do not meet along this dim
+    if not disjoint:
+        return True
+    # Coordinates are unique in the union box when each stride exceeds the span of the
+    # smaller ones; then disjoint boxes are disjoint element sets.
+    inner = 0
+    for st, low, high in zip(reversed(strides), reversed(lo), reversed(hi), strict=True):
+        if st <= inner:
+            return _span_overlap(a, b)
+        inner += st * (high - low - 1)
+    return False
+
+
+def _span_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges between the first and last elements of two tensors meet."""
+    sa, sb = _span(a), _span(b)
+    return sa[0] < sb[1] and sb[0] < sa[1]
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = int(t.storage_offset())
+    end = start + 1
+    for n, stride in zip(t.shape, t.stride(), strict=True):
+        end += (int(n) - 1) * int(stride)
+    size = t.element_size()
+    return start * size, end * size
 
 
 def mark_written(

@@ -134,6 +134,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckpt_graph._errors import CkptGraphError
+from ckpt_graph.engine import graph
 from ckpt_graph.engine.debug import check_kept, check_replay
 from ckpt_graph.engine.graph import INPUT, Handle, arg_at, version_of
 
@@ -243,12 +244,20 @@ def exact_copy(t: torch.Tensor) -> torch.Tensor:
         )
 
 
+def _where(h: Handle, region: Region) -> str:
+    """Which value of the region ``h`` is, for error messages."""
+    if h.node_index >= 0:
+        return f"output {h.index} of {region.nodes[h.node_index].info.name} (op #{h.node_index})"
+    if h.reason == graph.MUTATED_ALIAS:
+        return (
+            f"value #{h.index} the region took as it was after an in-place op on an alias "
+            "(a snapshot)"
+        )
+    return f"input #{h.index} of the region"
+
+
 def _version_error(h: Handle, region: Region, current: int) -> CkptGraphError:
-    where = (
-        f"output {h.index} of {region.nodes[h.node_index].info.name} (op #{h.node_index})"
-        if h.node_index >= 0
-        else "an input of the region"
-    )
+    where = _where(h, region)
     return CkptGraphError(
         "ckpt_graph: one of the variables needed for gradient computation has been modified by an "
         f"inplace operation: [{h.dtype} {list(h.shape)}], which is {where}, is at version "
@@ -259,8 +268,8 @@ def _version_error(h: Handle, region: Region, current: int) -> CkptGraphError:
 
 def _untracked_write_error(h: Handle, region: Region) -> CkptGraphError:
     return CkptGraphError(
-        f"ckpt_graph: output {h.index} of {region.nodes[h.node_index].info.name} (op "
-        f"#{h.node_index}) [{h.dtype} {list(h.shape)}] was written in place through an alias "
+        f"ckpt_graph: {_where(h, region)} [{h.dtype} {list(h.shape)}] was written in place "
+        "through an alias "
         "with a version counter of its own (such as `.data`) after autograd saved it: eager "
         "autograd would silently use the new values, the region can only give the old ones. "
         "Write to the tensor itself rather than its `.data` (eager then reports the "
@@ -273,6 +282,18 @@ def _check_version(region: Region, h: Handle) -> None:
     t = h.value if h.value is not None and h.offload_device is None else None
     if t is None and h.ref is not None:
         t = h.ref()
+    if t is None and h.base is not None:
+        # See Note [Mutation and views], rule 6: the view's tensor is gone (a temporary
+        # view autograd saved), but it shared its base's version counter.
+        b = h.base
+        bt = b.value if b.value is not None and b.offload_device is None else None
+        if bt is None and b.ref is not None:
+            bt = b.ref()
+        if b.superseded:
+            if bt is not None and version_of(bt) == b.version:
+                raise _untracked_write_error(h, region)
+            raise _version_error(h, region, version_of(bt) if bt is not None else h.version + 1)
+        t = bt
     if t is not None and h.version != -1 and version_of(t) != h.version:
         raise _version_error(h, region, version_of(t))
 
@@ -429,6 +450,7 @@ def begin_pass(region: Region, task: int) -> None:
     state.number += 1
     state.recomputed_ops = 0
     state.peak_cached_bytes = 0
+    _recompute_changed_kept(region)
     bound = region.cache_limit != "unbounded"
     last: dict[Handle, int] = {}  # last consumer that will run, per recomputed value
     for node in reversed(region.nodes):
@@ -578,6 +600,81 @@ def _owe(region: Region, node: OpNode) -> None:
                 i.pending += 1
                 if i.cache is None:
                     stack.append(nodes[i.node_index])
+
+
+# Note [Kept values changed after the region]
+# The region keeps values autograd never saved (by policy, by tag, a slice of a tagged
+# tensor, the engine's own keeps). Writing such a tensor in place after the region is legal
+# in eager, where nothing refers to the old value; the region, though, may need it to
+# recompute other values. At the start of each backward pass, a kept op node output whose
+# version changed and that no saved tensor refers to is recomputed from now on (dropped, as
+# if the policy had said so), when its producer's inputs are still available: kept and
+# unchanged, or themselves recomputable. A changed value that cannot be recomputed (a
+# region input, a snapshot, an input already released) still raises the version error
+# when used.
+def _recompute_changed_kept(region: Region) -> None:
+    """See Note [Kept values changed after the region]."""
+    if not any(o is not None and _changed(o) for node in region.nodes for o in node.outputs):
+        return
+    unavailable: set[Handle] = set()
+    for h in region.inputs:
+        if _changed(h) or (h.value is None and _forward_tensor(h) is None):
+            unavailable.add(h)
+    nodes = region.nodes
+    for node in nodes:
+        inputs_ok = not any(i in unavailable for i in node.inputs)
+        for o in node.outputs:
+            if o is None:
+                continue
+            if o.reason is None:
+                if not inputs_ok:
+                    unavailable.add(o)
+            elif _changed(o):
+                if not inputs_ok or o.packs > 0:
+                    unavailable.add(o)
+                    continue
+                if not o.is_view:
+                    region.kept_bytes -= o.nbytes
+                o.drop()
+                _hold_inputs(region, node)
+            elif o.value is None and _forward_tensor(o) is None:
+                unavailable.add(o)
+
+
+def _forward_tensor(h: Handle) -> torch.Tensor | None:
+    """The forward tensor of a released kept value, if it still holds that value."""
+    t = h.ref() if h.ref is not None else None
+    if t is None or h.version == -1 or version_of(t) != h.version:
+        return None
+    return t
+
+
+def _hold_inputs(region: Region, node: OpNode) -> None:
+    """Hold again the released kept values that recomputing ``node`` reads."""
+    stack = list(node.inputs)
+    seen: set[Handle] = set()
+    while stack:
+        h = stack.pop()
+        if h in seen:
+            continue
+        seen.add(h)
+        if h.reason is None:
+            stack.extend(region.nodes[h.node_index].inputs)
+        elif h.value is None:
+            t = _forward_tensor(h)
+            if t is not None:
+                h.value = region._detached(t)
+
+
+def _changed(h: Handle) -> bool:
+    """Whether a kept value's tensor was written since the region kept it."""
+    v = h.value
+    return (
+        v is not None
+        and h.offload_device is None
+        and h.version != -1
+        and version_of(v) != h.version
+    )
 
 
 # Values below this size stay cached: an extra run costs ~10 us of Python per use, more than
@@ -939,6 +1036,13 @@ def _value(region: Region, a: Any) -> Any:
     return a
 
 
+def _fresh_alias(t: torch.Tensor) -> torch.Tensor:
+    """An alias of ``t`` (same storage and geometry) with a version counter of its own."""
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        alias = t.as_strided(t.size(), t.stride(), t.storage_offset())
+    return alias
+
+
 def run_node(region: Region, node: OpNode) -> None:
     """Run one recorded op on realized inputs; cache outputs that are still pending."""
     args = [_value(region, a) for a in node.args]
@@ -951,7 +1055,9 @@ def run_node(region: Region, node: OpNode) -> None:
         v = arg_at(args, kwargs, w)
         alone = h.reason is None and not h.is_view and not h.has_views and h.pending <= 1
         if info.is_inplace_view:
-            v = v if alone else v.as_strided(v.size(), v.stride(), v.storage_offset())
+            # See Note [Mutation and views], rule 7: the replay must not bump the version
+            # counter of the value it reads (a kept value is checked against its version).
+            v = v if alone else _fresh_alias(v)
         elif not alone:
             v = exact_copy(v)
         if isinstance(w, int):
@@ -1018,7 +1124,22 @@ def run_node(region: Region, node: OpNode) -> None:
         _close_segment(region, state)
 
 
+# Note [Ops that read grad mode]
+# A few kernels decide from grad mode whether to return what their backward needs: on CPU
+# ``mkldnn_rnn_layer`` (nn.LSTM) returns its workspace only with grad enabled. The forward
+# ran them with grad enabled; recompute runs with grad disabled (see the replay context),
+# so these ops run with grad enabled again, below autograd (no graph is built).
+_GRAD_MODE_OPS = frozenset(
+    op
+    for name in ("mkldnn_rnn_layer", "_cudnn_rnn", "miopen_rnn")
+    if (op := getattr(getattr(torch.ops.aten, name, None), "default", None)) is not None
+)
+
+
 def _call(node: OpNode, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    if node.op in _GRAD_MODE_OPS:
+        with torch._C._AutoDispatchBelowAutograd(), torch.enable_grad():
+            return node.op(*args, **kwargs)
     if node.rng is None:
         return node.op(*args, **kwargs)
     gen, state = node.rng

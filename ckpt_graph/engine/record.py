@@ -18,7 +18,13 @@ from ckpt_graph.engine import graph
 from ckpt_graph.engine.debug import checksums
 from ckpt_graph.engine.decisions import resolve
 from ckpt_graph.engine.graph import _OP_INFO, Handle, OpInfo, OpNode, arg_at, op_info
-from ckpt_graph.engine.mutation import before_write, capture_rng, index_storage, mark_written
+from ckpt_graph.engine.mutation import (
+    after_write,
+    before_write,
+    capture_rng,
+    index_storage,
+    mark_written,
+)
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
@@ -191,7 +197,9 @@ class Recorder(TorchDispatchMode):
             region._unsettled.append(h)
             h.is_view = True
             if uniq:
-                uniq[0].has_views = True
+                b = uniq[0]
+                b.has_views = True
+                h.base = b.base or b
         ids[id(out)] = h
         node.outputs = (h,)
         nodes.append(node)
@@ -430,17 +438,22 @@ def record_node(
             if info.returns_written:
                 h.version = -1
                 region._unsettled.append(h)
-                if previous is not None:
+                if previous is not None:  # See Note [Mutation and views], rule 6.
                     h.is_view, h.has_views = previous.is_view, previous.has_views
+                    h.base = previous.base
             elif info.view_outputs:
                 h.version = -1
                 region._unsettled.append(h)
                 h.is_view = True
                 if inputs:
-                    inputs[0].has_views = True
+                    b = inputs[0]
+                    b.has_views = True
+                    h.base = b.base or b
             ids[id(o)] = h
             handles.append(h)
         node.outputs = tuple(handles)
+    if info.writes and region._writing is not None:  # See Note [Mutation and views], rule 3.
+        after_write(region, node.outputs[0] if len(node.outputs) == 1 else None)
     if region.debug:
         node.stack = "".join(traceback.format_stack(limit=14)[:-4])
         node.checksums = checksums(outs)

@@ -22,7 +22,7 @@ from ckpt_graph.engine.decisions import POLICY_NAMES, PolicyContext, PolicyFn, r
 from ckpt_graph.engine.decisions import to_decision as _to_decision
 from ckpt_graph.engine.graph import Handle, OpNode, version_of
 from ckpt_graph.engine.hooks import pack_hook_for, unpack_hook_for_autograd
-from ckpt_graph.engine.mutation import index_storage
+from ckpt_graph.engine.mutation import StorageHistory, index_storage, rebase
 from ckpt_graph.engine.realize import (
     REPLAY_GLOBALS,
     PassState,
@@ -89,6 +89,8 @@ class Region:
         self._shapes: dict[torch.Size, torch.Size] = {}  # See Note [Recording fast path].
         self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # likewise, saved tensors
         self._by_storage: dict[int, list[Handle]] | None = None
+        self._storages: dict[int, StorageHistory] = {}  # See Note [Mutation and views].
+        self._writing: StorageHistory | None = None
         self._unsettled: list[Handle] = []
         self._recording = False
         self._open = False
@@ -149,6 +151,7 @@ class Region:
         _tls.region = None
         self._settle()
         self._by_storage = None
+        self._storages = {}
         self._shapes = {}
         self._strides = {}
         self._ctx = None
@@ -232,6 +235,11 @@ class Region:
                 return old
             # Changed through another alias: a view sharing its version counter, or one
             # with a counter of its own (`.data`), which leaves the version as it was.
+            if self._recording:
+                rebased = rebase(self, t, old)
+                if rebased is not None:
+                    self._ids[id(t)] = rebased
+                    return rebased
             reason = graph.MUTATED_ALIAS
         else:
             reason = graph.INPUT
