@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -310,30 +310,6 @@ programs = st.builds(
 )
 
 
-# Note [Known fuzz failures]
-# ``nn.LSTMCell`` and ``nn.GRUCell`` on CPU split the gate matmul's output with
-# ``aten.unsafe_split`` and update the pieces in place (``add_``, ``sigmoid_``, ``tanh_``).
-# ``unsafe_split``'s schema declares no alias, so the region takes its outputs for fresh
-# values: when the matmul output is kept (any policy but recompute_all) the forward's
-# in-place updates change the kept value (a false version-counter error), and recompute
-# in backward writes into it (the second backward of retain_graph=True gets wrong
-# gradients). In-place/view/storage tracking is branch mut's part of issue 14; the exact
-# programs are the strict xfail tests below. The fuzzer still generates such programs and
-# runs them, but a failure of a program with such a loop is recorded as a hypothesis event
-# instead of failing the test, so that the rest of the space stays covered.
-#
-# ``torch.linspace`` without a dtype, recomputed after the default dtype changed (float64
-# in forward, float32 in backward), gives float32-rounded values: gradients differ in the
-# last bits. Factory dtypes are branch eng's part of issue 14.
-def _known_failing(program: Program) -> bool:
-    """A program with a known failure: see Note [Known fuzz failures]."""
-    return any(
-        (kind % 11 == 8 and c % 3 in (1, 2))
-        or (program.switch_dtype and kind % 11 == 7 and c % 4 == 3)
-        for kind, _, _, c in program.instrs
-    )
-
-
 @pytest.mark.slow
 @settings(
     max_examples=100,
@@ -345,13 +321,7 @@ def _known_failing(program: Program) -> bool:
 @given(programs)
 def test_random_programs_match_eager(program: Program) -> None:
     with _quiet():
-        if not _known_failing(program):
-            check_program(program)
-            return
-        try:
-            check_program(program)
-        except (AssertionError, cg.CkptGraphError) as e:
-            event(f"known failure (Note [Known fuzz failures]): {type(e).__name__}")
+        check_program(program)
 
 
 @contextlib.contextmanager
@@ -389,25 +359,18 @@ def test_factories_with_the_default_dtype_changed_before_backward(mode: str) -> 
         check_program(Program(factories, "recompute_all", mode, True))
 
 
-# See Note [Known fuzz failures]: found by the fuzzer, fixed on branch mut.
-_UNSAFE_SPLIT = "issue 14 (branch mut): in-place ops on aten.unsafe_split outputs of a kept value"
+# Found by the fuzzer (issue 14): regression tests.
 
 
-@pytest.mark.xfail(strict=True, raises=cg.CkptGraphError, reason=_UNSAFE_SPLIT)
 @pytest.mark.parametrize("cell", [1, 2], ids=["lstm", "gru"])
-def test_known_cell_loop_with_kept_gate_matmuls_false_version_error(cell: int) -> None:
+def test_cell_loop_with_kept_gate_matmuls(cell: int) -> None:
     check_program(Program(((8, 0, 0, cell),), "must_save_all", "backward", False))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_UNSAFE_SPLIT)
 @pytest.mark.parametrize("cell", [1, 2], ids=["lstm", "gru"])
-def test_known_cell_loop_second_backward_wrong_gradients(cell: int) -> None:
+def test_cell_loop_second_backward(cell: int) -> None:
     check_program(Program(((8, 0, 0, cell),), "save_matmuls", "retain_twice", False))
 
 
-_FACTORY_DTYPE = "issue 14 (branch eng): factories recomputed under the default dtype of backward"
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_FACTORY_DTYPE)
-def test_known_linspace_recomputed_after_the_default_dtype_changed() -> None:
+def test_linspace_recomputed_after_the_default_dtype_changed() -> None:
     check_program(Program(((7, 1, 0, 3),), "recompute_all", "backward", True))

@@ -36,6 +36,18 @@ INPUT = "input"
 POLICY = "policy"
 TAG = "tag"
 MUTATED_ALIAS = "engine: value changed by an in-place op on an alias"
+
+# Ops returning aliases of their input without saying so in their schema (each output has
+# a version counter of its own). See Note [Mutation and views], rule 6 (mutation.py); a
+# replayed write to such an output runs on a copy (``realize.run_node``).
+UNANNOTATED_ALIASES = frozenset(
+    {
+        torch.ops.aten.unsafe_split.Tensor,
+        torch.ops.aten.unsafe_split_with_sizes.default,
+        torch.ops.aten.unsafe_chunk.default,
+        torch.ops.aten._unsafe_view.default,
+    }
+)
 INPLACE_ON_KEPT = "engine: in-place op on a kept value"
 SILENT_WRITE = "engine: written in place without a version bump (backward reads the new value)"
 CLONED_BEFORE_MUTATION = "engine: copy of a kept value taken before an in-place op"

@@ -71,7 +71,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ckpt_graph.engine.graph import SILENT_WRITE, Handle, OpInfo, OpNode, arg_at, op_info
+from ckpt_graph.engine.graph import (
+    SILENT_WRITE,
+    UNANNOTATED_ALIASES,
+    Handle,
+    OpInfo,
+    OpNode,
+    arg_at,
+    op_info,
+)
 from ckpt_graph.engine.realize import exact_copy
 
 if TYPE_CHECKING:
@@ -276,24 +284,12 @@ def rebase(region: Region, t: torch.Tensor, old: Handle) -> Handle | None:
     return h
 
 
-# Ops returning aliases of their input without saying so in their schema (each output has
-# a version counter of its own). See Note [Mutation and views], rule 6.
-_UNANNOTATED_ALIASES = frozenset(
-    {
-        torch.ops.aten.unsafe_split.Tensor,
-        torch.ops.aten.unsafe_split_with_sizes.default,
-        torch.ops.aten.unsafe_chunk.default,
-        torch.ops.aten._unsafe_view.default,
-    }
-)
-
-
 def _alias_source(region: Region, root: Handle) -> Handle | None:
     """The value whose storage ``root`` aliases without being its view (``unsafe_chunk``)."""
     if root.node_index < 0:
         return None
     node = region.nodes[root.node_index]
-    if node.op not in _UNANNOTATED_ALIASES or not node.inputs:
+    if node.op not in UNANNOTATED_ALIASES or not node.inputs:
         return None
     src = node.inputs[0]
     return src.base or src

@@ -136,7 +136,7 @@ import torch
 from ckpt_graph._errors import CkptGraphError
 from ckpt_graph.engine import graph
 from ckpt_graph.engine.debug import check_kept, check_replay
-from ckpt_graph.engine.graph import INPUT, Handle, arg_at, version_of
+from ckpt_graph.engine.graph import INPUT, UNANNOTATED_ALIASES, Handle, arg_at, version_of
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
@@ -1053,7 +1053,14 @@ def run_node(region: Region, node: OpNode) -> None:
         if type(h) is not Handle:
             continue
         v = arg_at(args, kwargs, w)
-        alone = h.reason is None and not h.is_view and not h.has_views and h.pending <= 1
+        alone = (
+            h.reason is None
+            and not h.is_view
+            and not h.has_views
+            and h.pending <= 1
+            # an unsafe_chunk output aliases the value it was cut from, which may be kept
+            and region.nodes[h.node_index].op not in UNANNOTATED_ALIASES
+        )
         if info.is_inplace_view:
             # See Note [Mutation and views], rule 7: the replay must not bump the version
             # counter of the value it reads (a kept value is checked against its version).
