@@ -193,6 +193,7 @@ class PassState:
         "active",
         "cached_bytes",
         "checkpoints",
+        "closed_segments",
         "need",
         "number",
         "peak_cached_bytes",
@@ -219,6 +220,7 @@ class PassState:
         self.segment_roots: set[Handle] = set()  # storages the open segment's views hold
         self.frontier_bytes = 0  # mean frontier of the pass
         self.closing = False  # whether the running realize may close segments
+        self.closed_segments = 0  # in the current or last pass
         self.active: dict[Handle, None] = {}  # values of this realize that `need` > 0
         self.need: dict[Handle, int] = {}  # per value, collected ops of the realize to read it
         self.checkpoints: set[Handle] = set()
@@ -400,6 +402,7 @@ def begin_pass(region: Region, task: int) -> None:
     state.number += 1
     state.recomputed_ops = 0
     state.peak_cached_bytes = 0
+    state.closed_segments = 0
     bound = region.cache_limit != "unbounded"
     last: dict[Handle, int] = {}  # last consumer that will run, per recomputed value
     for node in reversed(region.nodes):
@@ -517,6 +520,7 @@ def _join_segment(region: Region, state: PassState, h: Handle) -> None:
 def _close_segment(region: Region, state: PassState) -> None:
     """Keep the frontier cached as checkpoints, drop the open segment's values."""
     state.checkpoints.update(state.active)
+    state.closed_segments += 1
     for d in state.segment:
         if d.cache is not None:
             d.cache = None
