@@ -531,7 +531,9 @@ class _Bound:
     def __init__(self, g: SimGraph, kept: list[bool], pending: list[int], last: list[int]) -> None:
         values, ops = g.values, g.ops
         self.g, self.kept = g, kept
-        self.view = [v.storage != k if v.is_view is None else v.is_view for k, v in enumerate(values)]
+        self.view = [
+            v.storage != k if v.is_view is None else v.is_view for k, v in enumerate(values)
+        ]
         packs = [0] * len(values)
         for _, v in g.saved:
             packs[v] += 1

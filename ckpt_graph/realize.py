@@ -183,6 +183,7 @@ def parse_cache_limit(limit: object) -> int | str | None:
             return int(value * _UNITS[unit])
     raise CkptGraphError(f"ckpt_graph: cache_limit={limit!r} is not a valid bound; {hint}")
 
+
 _current_task = torch._C._current_graph_task_id
 
 
@@ -194,6 +195,8 @@ class PassState:
         "cached_bytes",
         "checkpoints",
         "closed_segments",
+        "closing",
+        "frontier_bytes",
         "need",
         "number",
         "peak_cached_bytes",
@@ -202,8 +205,6 @@ class PassState:
         "segment_bytes",
         "segment_limit",
         "segment_roots",
-        "frontier_bytes",
-        "closing",
         "task",
     )
 

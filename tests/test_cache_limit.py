@@ -71,9 +71,11 @@ def test_nested_block_asking_for_another_cache_limit_raises() -> None:
     with cg.save_recompute_policy(cache_limit="8MiB"):
         with cg.save_recompute_policy(cache_limit="8MiB"):  # repeating it is fine
             pass
-        with pytest.raises(CkptGraphError, match="nested save_recompute_policy block asks for"):
-            with cg.save_recompute_policy(cache_limit="1MiB"):
-                pass
+        with (
+            pytest.raises(CkptGraphError, match="nested save_recompute_policy block asks for"),
+            cg.save_recompute_policy(cache_limit="1MiB"),
+        ):
+            pass
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -143,10 +145,8 @@ def _views_and_inplace(x: torch.Tensor, inplace_view: bool = False) -> torch.Ten
         a = h.sin() * 2
         a[0:2].mul_(3)  # in place through a view of a fresh value
         b = a.t().contiguous()
-        if inplace_view:
-            b = b.t_()
-        else:
-            b = (b * 1).t().unsqueeze_(0).squeeze(0)  # an in-place view op on a fresh value
+        # An in-place view op: on the copy, or on a fresh value.
+        b = b.t_() if inplace_view else (b * 1).t().unsqueeze_(0).squeeze(0)
         c = F.dropout(b.relu_(), 0.3, training=True)  # in place, then random ops
         d = c.unsqueeze(0).exp().squeeze(0)
         h = d.tanh() + h
@@ -209,15 +209,17 @@ def test_nothing_alive_after_a_bounded_backward() -> None:
 
 
 # ----------------------------------------------------------------------------- memory
+def _checkpointed(f: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda *a: checkpoint(f, *a, use_reentrant=False)
+
+
 def _per_block(w: Workload) -> Callable[[], None]:
     def step() -> None:
         w.model.zero_grad(set_to_none=True)
         forwards = [b.forward for b in w.blocks]
         try:
             for b, f in zip(w.blocks, forwards, strict=True):
-                b.forward = (  # type: ignore[method-assign]
-                    lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False)
-                )(f)
+                b.forward = _checkpointed(f)  # type: ignore[method-assign]
             w.loss(w.model(*w.inputs)).backward()
         finally:
             for b, f in zip(w.blocks, forwards, strict=True):
