@@ -49,25 +49,31 @@
 # inputs, the first unpack of backward realizes a value near the end of the forward, and
 # every value before it stays cached until its own backward step. A pass therefore bounds
 # what realize holds, with Chen et al.'s (2016) segments applied online:
-# 1. Segment size. ``begin_pass`` measures the recomputed values the pass needs: their bytes
-#    T and their mean frontier F, the bytes of recomputed values alive across a position of
-#    the forward (from the producer to the last consumer op that will run), averaged over
-#    positions. Segments of K = sqrt(T * F) bytes leave about T / K frontiers = K bytes of
-#    checkpoints plus one segment of K: about 2 sqrt(T F) in all, the least that one extra
-#    forward allows. Automatically (``cache_limit=None``) a pass is bounded only when that
-#    at least halves the cache (T >= 4 K): below, a region (one block of ``wrap``) keeps its
-#    single recompute. An explicit ``cache_limit`` L gives K = L / 2 (half for the segment in
+# 1. Segment size. ``begin_pass`` measures the recomputed values the pass needs: T, the
+#    bytes of the storages autograd saved, and F, their mean frontier (the bytes of
+#    recomputed storages alive across a position of the forward, from the producer to the
+#    last reader that will run, averaged over positions). Segments of K = sqrt(T * F) bytes
+#    leave about T / K frontiers = K bytes of checkpoints plus one segment of K: about
+#    2 sqrt(T F) in all, the least that one extra forward allows. Automatically
+#    (``cache_limit=None``) a pass is bounded only when its first unpack (of the last saved
+#    tensor) would realize and cache at least 4 K of saved values: below, bounding saves
+#    less than half and costs a recompute, so a small region (one block of ``wrap``) or a
+#    policy that keeps enough (``save_matmuls``) caches as before, transient values
+#    included. An explicit ``cache_limit`` L gives K = L / 2 (half for the segment in
 #    flight, half for checkpoints) and bounds whenever T > L; L < 2 sqrt(T F) cannot be met
 #    with two forwards, so a warning names both and K = sqrt(T F) is used instead.
 #    ``cache_limit="unbounded"`` caches every value until its last use.
 # 2. A bounded realize first collects the op nodes to run (from its target back to kept or
 #    cached values) and counts, per value, the collected ops that read it (``need``); then it
 #    runs them in forward order. A value that no remaining op of the realize reads, but a
-#    later unpack or op will (``pending > 0``), joins the open *segment*. When the segment
-#    would exceed K bytes it is closed: every value of this realize that a remaining op
-#    still reads (the frontier: with the kept values it suffices for every later op) becomes
-#    a *checkpoint*, cached until its use count reaches zero, and the values of the closed
-#    segment are dropped. The open segment stays cached at the end: backward uses it next.
+#    later unpack or op will (``pending > 0``), joins the open *segment* (a view counts the
+#    storage it holds). The segment is closed when it would exceed K bytes, or earlier at a
+#    cheap place: once it holds K / 2 and the frontier is at most F. Closing makes every
+#    value of this realize that a remaining op still reads (the frontier: with the kept
+#    values it suffices for every later op) a *checkpoint*, cached until its use count
+#    reaches zero, and drops the values of the segment. A realize closes nothing when the
+#    values it leaves cached fit in K (it runs a closed segment again), nor after its last
+#    op: the open segment stays cached, backward uses it next.
 # 3. Dropping a value with pending uses means its producer will run again: the producer is
 #    *owed* a run and each of its recomputed inputs gets one more use; an input that is not
 #    cached owes a run of its own producer, and so on (a node is owed at most one run;
@@ -92,7 +98,9 @@
 # so a 20,000-op chain works): a node is expanded once, its recomputed inputs that are not
 # cached are pushed, and it runs after them. A node runs at most once per pass, except the
 # producer of a transient value, which runs whenever the value is needed and not cached
-# (see Note [Transient values]).
+# (see Note [Transient values]). A bounded pass realizes differently (collect, then run in
+# forward order) and runs a node again when an output it needs was dropped (see Note
+# [Bounded recompute cache]).
 #
 # Note [RNG replay]
 # Random ops (``torch.Tag.nondeterministic_seeded``) record the state of their generator
@@ -140,8 +148,6 @@ if TYPE_CHECKING:
 
 __all__ = ["PassState", "exact_copy", "parse_cache_limit", "realize", "unpack_value"]
 
-# ``cache_limit`` as given by the user; see ``parse_cache_limit``.
-CacheLimit = int | str | None
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024}
 _UNITS.update({"mib": 1024**2, "gib": 1024**3})
 
