@@ -774,7 +774,7 @@ def run_node(region: Region, node: OpNode) -> None:
         v = arg_at(args, kwargs, w)
         alone = h.reason is None and not h.is_view and not h.has_views and h.pending <= 1
         if info.is_inplace_view:
-            v = v if alone else v.as_strided(v.size(), v.stride(), v.storage_offset())
+            v = v if alone else _own_alias(v)
         elif not alone:
             v = exact_copy(v)
         if isinstance(w, int):
@@ -839,6 +839,18 @@ def run_node(region: Region, node: OpNode) -> None:
         and _frontier_bytes(region, state) <= state.frontier_bytes
     ):  # a cheap place for checkpoints. See Note [Bounded recompute cache], rule 2.
         _close_segment(region, state)
+
+
+def _own_alias(t: torch.Tensor) -> torch.Tensor:
+    """An alias of ``t`` (same storage and layout) with a version counter of its own.
+
+    An in-place view op (``t_``) bumps the version counter of the tensor it runs on; run on
+    a view sharing the counter of a kept value, it would make the next read of that value
+    (an op run again in a bounded pass, or in a second backward pass) fail its version check.
+    """
+    return torch.empty((0,), dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.size(), t.stride()
+    )
 
 
 def _call(node: OpNode, args: list[Any], kwargs: dict[str, Any]) -> Any:
