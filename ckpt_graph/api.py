@@ -16,8 +16,8 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ._errors import CkptGraphError
+from .cache_bound import parse_cache_limit
 from .policies._core import normalize_policy
-from .realize import parse_cache_limit
 from .region import Region, current_region
 
 __all__ = ["checkpoint", "save_recompute_policy", "tag_with_policy"]

@@ -16,12 +16,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import _modules, graph
 from ._errors import CkptGraphError
+from .cache_bound import parse_cache_limit
 from .graph import Handle, OpNode, version_of
 from .hooks import pack_hook_for, unpack_hook_for_autograd
 from .mutation import index_storage
 from .policies._core import POLICY_NAMES, PolicyContext, PolicyFn, resolve
 from .policies._core import to_decision as _to_decision
-from .realize import PassState, count_live_uses, lose_use, parse_cache_limit
+from .realize import PassState, count_live_uses, lose_use
 from .record import KEEP as _KEEP
 from .record import Recorder
 
