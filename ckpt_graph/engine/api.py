@@ -16,8 +16,8 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphError, CkptGraphTypeError
+from ckpt_graph.engine.cache_bound import parse_cache_limit
 from ckpt_graph.engine.decisions import normalize_policy
-from ckpt_graph.engine.realize import parse_cache_limit
 from ckpt_graph.engine.region import Region, current_region
 from ckpt_graph.engine.torch_sac import TorchSACPolicy
 

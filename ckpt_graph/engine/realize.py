@@ -43,56 +43,14 @@
 # value between attention and MLP (``x + attn``) becomes transient and half of the residual
 # stream is no longer cached.
 #
-# Note [Bounded recompute cache]
-# Caching every recomputed value until its last use (Note [Use counts and freeing]) makes
-# one region over a whole model hold as much as no checkpointing: with nothing kept but its
-# inputs, the first unpack of backward realizes a value near the end of the forward, and
-# every value before it stays cached until its own backward step. A pass therefore bounds
-# what realize holds, with Chen et al.'s (2016) segments applied online:
-# 1. Segment size. ``begin_pass`` measures the recomputed values the pass needs: their bytes
-#    T and their mean frontier F, the bytes of recomputed values alive across a position of
-#    the forward (from the producer to the last consumer op that will run), averaged over
-#    positions. Segments of K = sqrt(T * F) bytes leave about T / K frontiers = K bytes of
-#    checkpoints plus one segment of K: about 2 sqrt(T F) in all, the least that one extra
-#    forward allows. Automatically (``cache_limit=None``) a pass is bounded only when that
-#    at least halves the cache (T >= 4 K): below, a region (one block of ``wrap``) keeps its
-#    single recompute. An explicit ``cache_limit`` L gives K = L / 2 (half for the segment in
-#    flight, half for checkpoints) and bounds whenever T > L; L < 2 sqrt(T F) cannot be met
-#    with two forwards, so a warning names both and K = sqrt(T F) is used instead.
-#    ``cache_limit="unbounded"`` caches every value until its last use.
-# 2. A bounded realize first collects the op nodes to run (from its target back to kept or
-#    cached values) and counts, per value, the collected ops that read it (``need``); then it
-#    runs them in forward order. A value that no remaining op of the realize reads, but a
-#    later unpack or op will (``pending > 0``), joins the open *segment*. When the segment
-#    would exceed K bytes it is closed: every value of this realize that a remaining op
-#    still reads (the frontier: with the kept values it suffices for every later op) becomes
-#    a *checkpoint*, cached until its use count reaches zero, and the values of the closed
-#    segment are dropped. The open segment stays cached at the end: backward uses it next.
-# 3. Dropping a value with pending uses means its producer will run again: the producer is
-#    *owed* a run and each of its recomputed inputs gets one more use; an input that is not
-#    cached owes a run of its own producer, and so on (a node is owed at most one run;
-#    running clears it). Use counts thus still count exactly the future unpacks and runs,
-#    and a checkpoint is freed once the last segment that reads it ran again.
-# 4. A later unpack of a dropped value realizes it from the checkpoints. Backward runs in
-#    reverse, so the first unpack in a segment asks for its latest value and runs the
-#    segment again, whose values fit in K and stay cached until used. Each op therefore
-#    runs at most twice: in the first realize, and when its segment runs again. Ops off the
-#    path to the first target run when needed, from whatever is cached: they can add runs,
-#    never cached bytes beyond K per realize.
-# 5. Exactness and termination: a dropped value is recomputed by the same op from the same
-#    values (kept, cached, or recomputed by the same rule), random ops with their recorded
-#    generator state (Note [RNG replay]), in-place ops on a copy unless no other pending use
-#    (owed runs included) needs their input. An unpack runs each node of its collected set
-#    once, so every pass ends.
-# Transient values (Note [Transient values]) are not marked in a bounded pass: segments
-# already bound the residual stream, and a transient producer would run once per use.
-#
 # Note [Realize order]
 # ``realize`` walks the producers of a handle with an explicit stack (no Python recursion,
 # so a 20,000-op chain works): a node is expanded once, its recomputed inputs that are not
 # cached are pushed, and it runs after them. A node runs at most once per pass, except the
 # producer of a transient value, which runs whenever the value is needed and not cached
-# (see Note [Transient values]).
+# (see Note [Transient values]). A bounded pass realizes differently (collect, then run in
+# forward order) and runs a node again when an output it needs was dropped (see Note
+# [Bounded recompute cache]).
 #
 # Note [RNG replay]
 # Random ops (``torch.Tag.nondeterministic_seeded``) record the state of their generator
@@ -126,8 +84,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
-import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -135,6 +91,13 @@ import torch
 
 from ckpt_graph._errors import CkptGraphError
 from ckpt_graph.engine import graph
+from ckpt_graph.engine.cache_bound import (
+    close_segment,
+    frontier_bytes,
+    join_segment,
+    plan_realize,
+    segment_limit,
+)
 from ckpt_graph.engine.debug import check_kept, check_replay
 from ckpt_graph.engine.graph import INPUT, UNANNOTATED_ALIASES, Handle, arg_at, version_of
 
@@ -142,50 +105,7 @@ if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
     from ckpt_graph.engine.region import Region
 
-__all__ = ["PassState", "exact_copy", "parse_cache_limit", "realize", "unpack_value"]
-
-# ``cache_limit`` as given by the user; see ``parse_cache_limit``.
-CacheLimit = int | str | None
-_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024}
-_UNITS.update({"mib": 1024**2, "gib": 1024**3})
-
-
-def parse_cache_limit(limit: object) -> int | str | None:
-    """Validate a ``cache_limit``: bytes, ``None`` (automatic) or ``"unbounded"``.
-
-    See Note [Bounded recompute cache].
-
-    Returns:
-        A positive number of bytes, ``None`` or ``"unbounded"``.
-
-    Raises:
-        CkptGraphError: for anything else (0, negative, bool, unknown unit).
-
-    Example:
-        >>> parse_cache_limit("256MiB"), parse_cache_limit(None), parse_cache_limit(4096)
-        (268435456, None, 4096)
-    """
-    hint = (
-        'pass a positive number of bytes (4096, "256MiB", "1.5GB"), None for the automatic '
-        'bound, or "unbounded" to cache every recomputed value until its last use'
-    )
-    if limit is None or limit == "unbounded":
-        return limit  # type: ignore[return-value]
-    if isinstance(limit, int) and not isinstance(limit, bool):
-        if limit > 0:
-            return limit
-        raise CkptGraphError(f"ckpt_graph: cache_limit={limit!r} is not a valid bound; {hint}")
-    if isinstance(limit, str):
-        text = limit.strip().lower().replace(" ", "")
-        number = text.rstrip("kmgib")
-        unit = text[len(number) :]
-        try:
-            value = float(number)
-        except ValueError:
-            value = -1.0
-        if unit in _UNITS and math.isfinite(value) and int(value * _UNITS[unit]) > 0:
-            return int(value * _UNITS[unit])
-    raise CkptGraphError(f"ckpt_graph: cache_limit={limit!r} is not a valid bound; {hint}")
+__all__ = ["PassState", "exact_copy", "realize", "unpack_value"]
 
 
 _current_task = torch._C._current_graph_task_id
@@ -198,6 +118,7 @@ class PassState:
         "active",
         "cached_bytes",
         "checkpoints",
+        "closed_segments",
         "closing",
         "frontier_bytes",
         "need",
@@ -224,6 +145,7 @@ class PassState:
         self.segment_roots: set[Handle] = set()  # storages the open segment's views hold
         self.frontier_bytes = 0  # mean frontier of the pass
         self.closing = False  # whether the running realize may close segments
+        self.closed_segments = 0  # in the current or last pass
         self.active: dict[Handle, None] = {}  # values of this realize that `need` > 0
         self.need: dict[Handle, int] = {}  # per value, collected ops of the realize to read it
         self.checkpoints: set[Handle] = set()
@@ -451,6 +373,7 @@ def begin_pass(region: Region, task: int) -> None:
     state.recomputed_ops = 0
     state.peak_cached_bytes = 0
     _recompute_changed_kept(region)
+    state.closed_segments = 0
     bound = region.cache_limit != "unbounded"
     last: dict[Handle, int] = {}  # last consumer that will run, per recomputed value
     for node in reversed(region.nodes):
@@ -471,135 +394,6 @@ def begin_pass(region: Region, task: int) -> None:
         _mark_transient(region)
     if task != -1:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: end_pass(region))
-
-
-def segment_limit(region: Region, last: dict[Handle, int]) -> int:
-    """Bytes per segment of a bounded pass, 0 to cache without bound.
-
-    ``last`` maps each recomputed value to its last consumer op that will run. See Note
-    [Bounded recompute cache], rule 1.
-    """
-    end: dict[Handle, int] = {}  # per storage (its root value), the last op that reads it
-    saved: set[Handle] = set()
-    for node in region.nodes:
-        for o in node.outputs:
-            if o is not None and o.reason is None and o.pending > 0:
-                root = _root(region, o)
-                if root.reason is not None:
-                    continue  # a view of a kept value holds nothing
-                end[root] = max(end.get(root, 0), last.get(o, node.index))
-                if o.packs:
-                    saved.add(root)
-    total = sum(h.nbytes for h in saved)
-    spans = sum(h.nbytes * (e - h.node_index) for h, e in end.items())
-    frontier = spans // max(len(region.nodes), 1)
-    region._pass.frontier_bytes = frontier
-    k = math.isqrt(total * frontier)
-    limit = region.cache_limit
-    if limit is None:
-        return k if k > 0 and _first_realize_bytes(region) >= 4 * k else 0
-    assert isinstance(limit, int)
-    if total <= limit:
-        return 0
-    if limit < 2 * k:
-        warnings.warn(
-            f"ckpt_graph: cache_limit={limit:,} bytes is below the {2 * k:,} bytes that this "
-            f"region's recomputed values ({total:,} bytes) need with at most two forwards of "
-            f"recompute; caching up to about {2 * k:,} bytes instead. Keep more values (a policy "
-            "or tag_with_policy), or raise cache_limit to silence this warning.",
-            UserWarning,
-            stacklevel=4,
-        )
-        return max(k, 1)
-    return limit // 2
-
-
-def _first_realize_bytes(region: Region) -> int:
-    """Bytes of saved values the first unpack of a pass would cache, unbounded: the values
-    its realize recomputes that autograd saved, by storage. Backward starts with the last
-    saved tensors of the forward."""
-    nodes = region.nodes
-    target = next((h for h in reversed(region._saved_handles) if h.reason is None), None)
-    if target is None or target.node_index < 0:
-        return 0
-    seen = {target.node_index}
-    stack = [target.node_index]
-    roots: set[Handle] = set()
-    while stack:
-        node = nodes[stack.pop()]
-        for o in node.outputs:
-            if o is not None and o.reason is None and o.packs:
-                roots.add(_root(region, o))
-        for i in node.inputs:
-            if i.reason is None and i.node_index not in seen:
-                seen.add(i.node_index)
-                stack.append(i.node_index)
-    return sum(r.nbytes for r in roots if r.reason is None)
-
-
-def _root(region: Region, h: Handle) -> Handle:
-    """The value whose storage ``h`` uses (``h`` itself unless a view), through views."""
-    while h.is_view and h.reason is None:
-        inputs = region.nodes[h.node_index].inputs
-        if not inputs:
-            break
-        h = inputs[0]
-    return h
-
-
-def _join_segment(region: Region, state: PassState, h: Handle) -> None:
-    """``h`` is cached for later users only: add it to the open segment, closing it first
-    if it would exceed the segment size. A view counts the bytes of the storage it holds
-    unless that is kept, cached or already counted. See Note [Bounded recompute cache],
-    rule 2."""
-    nbytes = h.nbytes
-    if h.is_view:
-        root = _root(region, h)
-        if root.reason is not None or root.cache is not None or root in state.segment_roots:
-            nbytes = 0
-        else:
-            state.segment_roots.add(root)
-    if state.closing and state.segment and state.segment_bytes + nbytes > state.segment_limit:
-        _close_segment(region, state)
-    state.segment.append(h)
-    state.segment_bytes += nbytes
-
-
-def _close_segment(region: Region, state: PassState) -> None:
-    """Keep the frontier cached as checkpoints, drop the open segment's values."""
-    state.checkpoints.update(state.active)
-    for d in state.segment:
-        if d.cache is not None:
-            d.cache = None
-            if not d.is_view:
-                state.cached_bytes -= d.nbytes
-            _owe(region, region.nodes[d.node_index])
-    state.segment = []
-    state.segment_bytes = 0
-    state.segment_roots = set()
-
-
-def _frontier_bytes(region: Region, state: PassState) -> int:
-    """Bytes of storage the values of this realize still to be read hold (the frontier)."""
-    roots = {_root(region, a) for a in state.active}
-    return sum(r.nbytes for r in roots if r.reason is None)
-
-
-def _owe(region: Region, node: OpNode) -> None:
-    """A cached output of ``node`` was dropped: ``node`` will run again. See Note [Bounded
-    recompute cache], rule 3."""
-    nodes = region.nodes
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n.owed:
-            continue
-        n.owed = True
-        for i in n.inputs:
-            if i.reason is None:
-                i.pending += 1
-                if i.cache is None:
-                    stack.append(nodes[i.node_index])
 
 
 # Note [Kept values changed after the region]
@@ -986,32 +780,7 @@ def _realize_bounded(region: Region, h: Handle) -> None:
     """Realize ``h`` with a bounded cache. See Note [Bounded recompute cache], rule 2."""
     nodes = region.nodes
     state = region._pass
-    need = state.need = {h: 1}  # the target stays cached until the unpack took it
-    todo: set[int] = set()
-    stack = [h.node_index]
-    while stack:
-        index = stack.pop()
-        if index in todo:
-            continue
-        todo.add(index)
-        for i in nodes[index].inputs:
-            if i.reason is None:
-                need[i] = need.get(i, 0) + 1
-                if i.cache is None:
-                    stack.append(i.node_index)
-    order = sorted(todo)
-    # Values this realize leaves cached for later users, counted by storage: when they fit
-    # in a segment, the realize closes none (it is running a closed segment again).
-    held: set[Handle] = set()
-    for index in order:
-        for o in nodes[index].outputs:
-            if o is not None and o.reason is None and o.pending > need.get(o, 0):
-                held.add(_root(region, o))
-    held_bytes = sum(r.nbytes for r in held if r.reason is None)
-    state.segment = []
-    state.segment_bytes = 0
-    state.segment_roots = set()
-    state.closing = held_bytes > state.segment_limit
+    order = plan_realize(region, h)
     try:
         for index in order:
             if index == order[-1]:
@@ -1103,7 +872,7 @@ def run_node(region: Region, node: OpNode) -> None:
                 if o in state.need:
                     state.active[o] = None
                 else:
-                    _join_segment(region, state, o)
+                    join_segment(region, state, o)
     if state.cached_bytes > state.peak_cached_bytes:
         state.peak_cached_bytes = state.cached_bytes
     if node.transient:  # its inputs are released with its value's uses
@@ -1121,14 +890,14 @@ def run_node(region: Region, node: OpNode) -> None:
                 if i in state.active:
                     del state.active[i]
                     if i.cache is not None and i not in state.checkpoints:
-                        _join_segment(region, state, i)
+                        join_segment(region, state, i)
     if (
         bounded
         and state.closing
         and 2 * state.segment_bytes >= state.segment_limit
-        and _frontier_bytes(region, state) <= state.frontier_bytes
+        and frontier_bytes(region, state) <= state.frontier_bytes
     ):  # a cheap place for checkpoints. See Note [Bounded recompute cache], rule 2.
-        _close_segment(region, state)
+        close_segment(region, state)
 
 
 # Note [Ops that read grad mode]

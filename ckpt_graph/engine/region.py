@@ -17,6 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ckpt_graph._errors import CkptGraphError, CkptGraphTypeError
 from ckpt_graph.engine import graph
 from ckpt_graph.engine import modules as _modules
+from ckpt_graph.engine.cache_bound import parse_cache_limit
 from ckpt_graph.engine.debug import kept_checksums
 from ckpt_graph.engine.decisions import POLICY_NAMES, PolicyContext, PolicyFn, resolve
 from ckpt_graph.engine.decisions import to_decision as _to_decision
@@ -28,7 +29,6 @@ from ckpt_graph.engine.realize import (
     PassState,
     count_live_uses,
     lose_use,
-    parse_cache_limit,
     replay_globals,
 )
 from ckpt_graph.engine.record import KEEP as _KEEP

@@ -74,7 +74,7 @@ builds one from a recorded region.
 #    use of it releases a use of each input.
 # 8. Bounded cache, as ``realize`` bounds it (Note [Bounded recompute cache]): with
 #    ``SimGraph.cache_limit`` not ``"unbounded"``, the segment size is computed from the
-#    same use counts (``realize.segment_limit``); a bounded pass marks no transient values,
+#    same use counts (``cache_bound.segment_limit``); a bounded pass marks no transient values,
 #    and each realize collects its ops, counts their reads (``need``), runs them in forward
 #    order, adds values no remaining op reads to the open segment, closes segments (frontier
 #    kept as checkpoints, segment dropped, producers owed a run that adds a use to each
@@ -90,11 +90,11 @@ builds one from a recorded region.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ckpt_graph.planner.costs import from_region, kept_ops_of
+from ckpt_graph.planner.liveness_bound import Bound
 from ckpt_graph.planner.workspaces import Workspace, measure_workspaces
 
 __all__ = [
@@ -257,7 +257,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
                     pending[i] += 1
                     if last[i] < 0:
                         last[i] = j
-    bound = _Bound(g, kept, pending, last) if g.cache_limit != "unbounded" else None
+    bound = Bound(g, kept, pending, last) if g.cache_limit != "unbounded" else None
     if bound is not None and bound.limit == 0:
         bound = None
     transient = _mark_transient(g, kept, pending) if bound is None else [False] * nv
@@ -518,82 +518,6 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
     if not g.saved:
         peak = peak_total = kept_bytes
     return SimResult(peak, peak_total, kept_bytes, cost, count, peak_step)
-
-
-class _Bound:
-    """The state of a bounded pass (rule 8), mirroring ``realize.PassState``.
-
-    Attributes:
-        limit: bytes per segment (``realize.segment_limit``), 0 when the pass is not bounded.
-        frontier_bytes: mean frontier of the pass.
-    """
-
-    def __init__(self, g: SimGraph, kept: list[bool], pending: list[int], last: list[int]) -> None:
-        values, ops = g.values, g.ops
-        self.g, self.kept = g, kept
-        self.view = [
-            v.storage != k if v.is_view is None else v.is_view for k, v in enumerate(values)
-        ]
-        packs = [0] * len(values)
-        for _, v in g.saved:
-            packs[v] += 1
-        end: dict[int, int] = {}
-        saved: set[int] = set()
-        for v, val in enumerate(values):
-            if val.producer < 0 or kept[v] or pending[v] <= 0:
-                continue
-            r = val.storage
-            if kept[r] or values[r].producer < 0:
-                continue
-            end[r] = max(end.get(r, 0), last[v] if last[v] >= 0 else val.producer)
-            if packs[v]:
-                saved.add(r)
-        total = sum(values[r].nbytes for r in saved)
-        spans = sum(values[r].nbytes * (e - values[r].producer) for r, e in end.items())
-        self.frontier_bytes = spans // max(len(ops), 1)
-        k = math.isqrt(total * self.frontier_bytes)
-        limit = g.cache_limit
-        if limit is None:
-            first = self._first_realize_bytes(packs)
-            self.limit = k if k > 0 and first >= 4 * k else 0
-        else:
-            assert isinstance(limit, int)
-            self.limit = 0 if total <= limit else max(k, 1) if limit < 2 * k else limit // 2
-        self.need: dict[int, int] = {}
-        self.active: dict[int, None] = {}
-        self.checkpoints: set[int] = set()
-        self.segment: list[int] = []
-        self.segment_bytes = 0
-        self.segment_roots: set[int] = set()
-        self.closing = False
-
-    def nbytes(self, root: int) -> int:
-        """Bytes of a storage the pass may cache (0 for kept values and region inputs)."""
-        val = self.g.values[root]
-        return 0 if self.kept[root] or val.producer < 0 else val.nbytes
-
-    def frontier(self) -> int:
-        """Bytes of the storages the running realize's values still to be read hold."""
-        return sum(self.nbytes(r) for r in {self.g.values[a].storage for a in self.active})
-
-    def _first_realize_bytes(self, packs: list[int]) -> int:
-        values, ops, kept = self.g.values, self.g.ops, self.kept
-        target = next((v for _, v in reversed(self.g.saved) if not kept[v]), -1)
-        if target < 0 or values[target].producer < 0:
-            return 0
-        seen = {values[target].producer}
-        stack = [values[target].producer]
-        roots: set[int] = set()
-        while stack:
-            op = ops[stack.pop()]
-            for o in op.outputs:
-                if not kept[o] and packs[o]:
-                    roots.add(values[o].storage)
-            for i in op.inputs:
-                if not kept[i] and values[i].producer not in seen:
-                    seen.add(values[i].producer)
-                    stack.append(values[i].producer)
-        return sum(self.nbytes(r) for r in roots)
 
 
 def _mark_transient(g: SimGraph, kept: list[bool], pending: list[int]) -> list[bool]:

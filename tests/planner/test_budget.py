@@ -293,12 +293,11 @@ def test_first_step_heuristic_roughly_respects_the_budget(fraction: float) -> No
     g = from_region(region)
     heuristic = simulate(g, kept_ops_of(region))
     assert heuristic.peak_bytes <= 1.2 * fraction * g.saved_bytes()
-    # Without any kept value and with every recomputed value cached until its last use,
-    # backward would recompute the whole region at once (the bounded recompute cache exists
-    # for that case; the heuristic must not need it).
-    unfixed = from_region(region, free_ops=range(len(region.nodes)))
-    unbounded = dataclasses.replace(unfixed, cache_limit="unbounded")
-    assert heuristic.peak_bytes < simulate(unbounded, []).peak_bytes
+    # Without any kept value and an unbounded cache, backward would cache the whole region.
+    unfixed = dataclasses.replace(
+        from_region(region, free_ops=range(len(region.nodes))), cache_limit="unbounded"
+    )
+    assert heuristic.peak_bytes < simulate(unfixed, []).peak_bytes
 
 
 @functools.cache
