@@ -1,16 +1,18 @@
 """``memory_budget(budget)``: keep what fits a memory budget with the least recompute.
 
 # Note [Memory budget policy]
-# 1. Budget. An int is bytes; a float in (0, 1] is a fraction of the activation memory
-#    the region would keep without checkpointing: the distinct storages of the values
+# 1. Budget. An int (or a string with a unit) is bytes; a float in (0, 1] is a fraction
+#    (see Note [Budget argument]) of the activation memory the region would keep without
+#    checkpointing: the distinct storages of the values
 #    autograd saves that the region's ops produce (``SimGraph.saved_bytes``). It bounds
 #    the *simulated activation peak of backward* (kept + cached + held recomputed values,
 #    see Note [Backward liveness model]); gradient buffers are reported, not budgeted.
 #    Each region is budgeted separately (per-layer regions each get the budget).
 # 2. First step: no plan exists, so the online heuristic decides (rule 5) while the region
-#    records the graph; the cost of each op is ``ctx.flops`` or, for ops without a FLOP
-#    formula (elementwise, reductions), the number of output elements. At the region's exit
-#    the solver (Note [Memory budget planning]) plans the kept ops for the next steps.
+#    records the graph, with each op's FLOPs (``ctx.flops``) and, for ops without a FLOP
+#    formula, the bytes it reads and writes: its recompute cost (Note [Recompute cost
+#    model]). At the region's exit the solver (Note [Memory budget planning]) plans the
+#    kept ops for the next steps, starting also from the hand plans of Note [Hand seeds].
 # 3. Plans are keyed by the region's *ordinal within a step*: a step starts when a region
 #    is entered after every region of the previous one ran its backward or was released.
 #    A region first tries the plan of its ordinal, then any other plan (identical layers
@@ -62,7 +64,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .._errors import CkptGraphError
 from .._liveness import from_region, simulate
+from ._budget_cost import calibrated_flops_per_byte, op_cost, parse_budget
+from ._budget_seeds import block_ids, hand_seeds
 from ._budget_solve import KeptTensor, PlanReport, candidate_ops, solve
 
 if TYPE_CHECKING:
@@ -95,6 +100,7 @@ class _Run:
     depth: int = 1
     signature: list[Signature] = field(default_factory=list)
     costs: dict[int, int] = field(default_factory=dict)
+    moved: dict[int, int] = field(default_factory=dict)  # bytes read + written per op
     answers: dict[int, bool] = field(default_factory=dict)
     heuristic: bool = False
     diverged_at: int = -1
@@ -116,20 +122,14 @@ class MemoryBudget:
         (reverse forward order). Plans are per region, not across regions.
     """
 
-    def __init__(self, budget: int | float) -> None:
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-            raise TypeError(
-                f"ckpt_graph: memory_budget needs an int (bytes) or a float in (0, 1], got "
-                f"{type(budget).__name__}"
+    def __init__(self, budget: int | float | str, *, flops_per_byte: float | None = None) -> None:
+        self.budget: int | float = parse_budget(budget)
+        if flops_per_byte is not None and not flops_per_byte >= 0:
+            raise CkptGraphError(
+                f"ckpt_graph: memory_budget(flops_per_byte={flops_per_byte!r}) must be >= 0 "
+                "(FLOPs one byte moved costs); leave it None to calibrate on this machine"
             )
-        if isinstance(budget, float) and not 0.0 < budget <= 1.0:
-            raise ValueError(
-                f"ckpt_graph: memory_budget fraction must be in (0, 1], got {budget}; pass an "
-                "int for a budget in bytes"
-            )
-        if isinstance(budget, int) and budget < 0:
-            raise ValueError(f"ckpt_graph: memory_budget bytes must be >= 0, got {budget}")
-        self.budget = budget
+        self.flops_per_byte = flops_per_byte
         self._plans: dict[int, _Plan] = {}
         self._runs: dict[int, _Run] = {}
         self._step: list[weakref.ref[Region]] = []
@@ -199,7 +199,11 @@ class MemoryBudget:
             run = self._runs[id(region)]
             run.start = ctx.op_index
         flops = ctx.flops
-        run.costs[ctx.op_index] = flops if flops > 0 else _numel(out)
+        run.costs[ctx.op_index] = flops  # see Note [Recompute cost model]
+        if flops <= 0:
+            run.moved[ctx.op_index] = ctx.out_bytes + sum(
+                t.numel() * t.element_size() for t in _tensors(args)
+            )
         if ctx.op_name == _DETACH:  # see rule 6 of Note [Memory budget policy]
             run.answers[ctx.op_index] = False
             return CheckpointPolicy.PREFER_RECOMPUTE
@@ -276,8 +280,15 @@ class MemoryBudget:
             is_kept = any(o is not None and o.kept for o in node.outputs)
             if is_kept == answer:
                 free.append(j)
-        g = from_region(region, run.costs, free)
+        fpb = self.flops_per_byte
+        if fpb is None:
+            fpb = calibrated_flops_per_byte()
+        costs = {
+            j: op_cost(f, run.moved.get(j, 0), fpb) if f <= 0 else f for j, f in run.costs.items()
+        }
+        g = from_region(region, costs, free)
         candidates = candidate_ops(g, free)
+        hand = hand_seeds(g, candidates, block_ids([n.module_path for n in region.nodes]))
         own = {g.values[v].storage for _, v in g.saved if g.values[v].producer >= run.start}
         baseline = sum(g.values[s].nbytes for s in own if g.values[s].producer >= 0)
         fraction = isinstance(self.budget, float)
@@ -285,7 +296,7 @@ class MemoryBudget:
         outside = simulate(g, []).kept_bytes  # fixed kept storages count against the budget
         fixed_in = {g.values[v].storage for v in g.fixed if g.values[v].producer >= run.start}
         outside -= sum(g.values[s].nbytes for s in fixed_in)
-        sol = solve(g, candidates, budget + outside)
+        sol = solve(g, candidates, budget + outside, hand=hand)
         if not sol.feasible:
             warnings.warn(
                 f"ckpt_graph: memory_budget({self.budget!r}): no plan found within {budget:,} "
@@ -330,12 +341,23 @@ class MemoryBudget:
         return plan.report if plan is not None else None
 
 
-def memory_budget(budget: int | float) -> MemoryBudget:
+def memory_budget(
+    budget: int | float | str, *, flops_per_byte: float | None = None
+) -> MemoryBudget:
     """A policy that keeps what fits ``budget`` with the least recompute.
 
     Args:
-        budget: bytes (int), or a fraction in (0, 1] of the activation memory the region
-            keeps without checkpointing. See Note [Memory budget policy].
+        budget: bytes (an int of at least 1 KiB, or a string with a unit: ``"512MiB"``,
+            ``"2GB"``, ``"1.5 GiB"``), or a fraction in (0, 1] of the activation memory the
+            region keeps without checkpointing (a float, or ``"40%"``). See Note [Budget
+            argument] and Note [Memory budget policy].
+        flops_per_byte: FLOPs one byte moved by a memory-bound op is worth when comparing
+            recompute costs; ``None`` measures it on this machine at the first plan. See
+            Note [Recompute cost model].
+
+    Raises:
+        CkptGraphError: ``budget`` is not a budget (e.g. ``memory_budget(1)``: one byte; pass
+            1.0 for 100%).
 
     Example:
         >>> policy = memory_budget(0.5)  # the same object for every step
@@ -343,7 +365,7 @@ def memory_budget(budget: int | float) -> MemoryBudget:
         ...     loss = model(x).sum()
         >>> print(policy.report())  # doctest: +SKIP
     """
-    return MemoryBudget(budget)
+    return MemoryBudget(budget, flops_per_byte=flops_per_byte)
 
 
 def _done(region: Region | None) -> bool:
@@ -383,11 +405,3 @@ def _shapes(out: Any) -> tuple[tuple[int, ...], ...]:
     if isinstance(out, (tuple, list)):
         return tuple(tuple(o.shape) if isinstance(o, torch.Tensor) else () for o in out)
     return ()
-
-
-def _numel(out: Any) -> int:
-    if isinstance(out, torch.Tensor):
-        return out.numel()
-    if isinstance(out, (tuple, list)):
-        return sum(o.numel() for o in out if isinstance(o, torch.Tensor))
-    return 0

@@ -29,6 +29,10 @@
 #      segments (Note [Min-cut and segment DP seeds] rule 3), its multiplier searched on the
 #      simulated peak. Seeds that do not fit are repaired by the greedy descent of step 2
 #      (up to ``_REPAIR_SEEDS`` candidates; above, only the seeds that fit are used).
+#   5b. Hand seeds (Note [Hand seeds]: keep matmuls, block inputs, every k-th block output):
+#      each that fits is a candidate answer as is, so the answer never costs more than a
+#      fitting hand plan; the cheapest one also starts a local search (step 6, with
+#      ``max_evals / 4`` more). Unlike the seeds above they are not repaired.
 #   6. Local search from the greedy seeds that fit, sharing ``max_evals`` (simulations and
 #      marginal-cost sweeps, each O(ops); simulations are cached), then from the cheapest
 #      fitting plan of each graph seed with ``max_evals / 4`` more each (so the graph seeds
@@ -59,7 +63,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .._liveness import SimGraph, SimResult, simulate
@@ -184,6 +188,7 @@ def solve(
     *,
     max_evals: int = 1000,
     seeds: Sequence[str] = SEEDS,
+    hand: Mapping[str, Iterable[int]] | None = None,
 ) -> Solution:
     """Plan the kept ops among ``candidates``. See Note [Memory budget planning].
 
@@ -193,6 +198,8 @@ def solve(
         budget: bytes the simulated activation peak of backward may reach.
         max_evals: simulations and marginal-cost sweeps the local search may spend.
         seeds: starting points to try, among :data:`SEEDS`.
+        hand: hand plans by name (see Note [Hand seeds]): the answer costs at most as much
+            as each of them that fits (their method is ``"hand: <name>"``).
 
     Example:
         >>> sol = solve(graph, candidate_ops(graph), budget=graph.saved_bytes() // 2)  # doctest: +SKIP
@@ -201,15 +208,23 @@ def solve(
     search = _Search(g, budget, max_evals)
     kept = set(candidates)
     first = search.sim(kept)
+    hand_fit: list[tuple[SimResult, set[int], str]] = []
     if first.peak_bytes <= budget:
         starts = [("all", first, kept)]
     else:
         starts = _starts(search, candidates, seeds)
+        spent = search.evals
+        for name, plan in (hand or {}).items():  # see Note [Hand seeds]
+            k = set(plan) & kept
+            r = search.sim(k)
+            if r.peak_bytes <= budget:
+                hand_fit.append((r, k, f"hand: {name}"))
+        search.extra += search.evals - spent  # not taken from the greedy search
     fitting: dict[frozenset[int], tuple[str, SimResult]] = {}
     for name, r, k in starts:
         if r.peak_bytes <= budget:
             fitting.setdefault(frozenset(k), (name, r))
-    if not fitting:
+    if not fitting and not hand_fit:
         name, low, low_kept = min(starts, key=lambda t: t[1].peak_bytes)
         return Solution(frozenset(low_kept), low, False, name)
     # The greedy seeds share max_evals (the first may spend it all); then the cheapest start
@@ -229,9 +244,18 @@ def solve(
         search.limit = search.evals + max_evals // 4
         best, best_kept = search.improve(candidates, r, set(start))
         plans.append((best, best_kept, name))
-    # ties go to the earliest method of SEEDS: a seed "wins" only when strictly cheaper
+    if hand_fit:  # each fitting hand plan as is, then a search from the cheapest
+        plans += hand_fit
+        r, start_kept, name = min(hand_fit, key=lambda t: t[0].recompute_cost)
+        search.limit = search.evals + max_evals // 4
+        best, best_kept = search.improve(candidates, r, set(start_kept))
+        plans.append((best, best_kept, name))
+    # ties go to the earliest method of SEEDS, then hand plans: a seed "wins" only when
+    # strictly cheaper
     order = {m: i for i, m in enumerate(("all", *SEEDS))}
-    best, best_kept, name = min(plans, key=lambda t: (t[0].recompute_cost, order[t[2]]))
+    best, best_kept, name = min(
+        plans, key=lambda t: (t[0].recompute_cost, order.get(t[2], len(order)))
+    )
     return Solution(frozenset(best_kept), best, True, name)
 
 
