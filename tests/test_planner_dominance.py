@@ -12,7 +12,7 @@ import torch
 import ckpt_graph as cg
 from ckpt_graph._liveness import SimGraph, SimOp, SimValue, from_region, simulate
 from ckpt_graph.policies import memory_budget
-from ckpt_graph.policies._budget_cost import op_cost, parse_budget
+from ckpt_graph.policies._budget_cost import calibrated_flops_per_byte, op_cost, parse_budget
 from ckpt_graph.policies._budget_seeds import block_ids, hand_seeds
 from ckpt_graph.policies._budget_solve import candidate_ops, solve
 from ckpt_graph.zoo import build_workload
@@ -243,3 +243,20 @@ def test_plan_costs_at_most_every_fitting_hand_plan_on_zoo_models(
     seeds = hand_seeds(g, candidate_ops(g), blocks)
     assert {"matmuls", "block inputs", "matmuls+block inputs", "blocks/2"} <= set(seeds)
     assert dominance_violations(g, blocks, hand=True) == []
+
+
+def test_calibrating_at_region_exit_records_nothing_into_the_region() -> None:
+    # planning (and so the first calibration) runs inside the region's recorder: the
+    # calibration's matmul and add were recorded as region ops, and the plan of
+    # memory_budget(1.0) recomputed every matmul of this MLP (before the fix)
+    calibrated_flops_per_byte.cache_clear()
+    w = build_workload("mlp", layers=2, width=32, batch=16)
+    policy = memory_budget(1.0)
+    with cg.save_recompute_policy(policy) as region:
+        out = w.model(*w.inputs)
+    w.loss(out).backward()
+    report = policy.report()
+    assert report is not None and report.feasible
+    assert report.predicted_recompute_flops == 0
+    assert all(tuple(h.shape) != (256, 256) for n in region.nodes for h in n.outputs if h)
+    assert calibrated_flops_per_byte() > 0

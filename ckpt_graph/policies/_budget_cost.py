@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .._errors import CkptGraphError
 
@@ -145,7 +146,9 @@ def calibrated_flops_per_byte() -> float:
 
     Cached for the process. See Note [Recompute cost model].
     """
-    with torch.no_grad(), torch.inference_mode():
+    # Planning runs at region exit, inside the region's recorder (and maybe a user's flop
+    # counter or another mode): the calibration's ops belong to none of them.
+    with _disable_current_modes(), torch.no_grad(), torch.inference_mode():
         # not torch.randn: calibrating must not advance the user's random stream
         a = torch.full((256, 256), 0.5)
         b = torch.full((256, 256), 0.25)
