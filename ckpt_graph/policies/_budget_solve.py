@@ -29,6 +29,9 @@
 #      segments (Note [Min-cut and segment DP seeds] rule 3), its multiplier searched on the
 #      simulated peak. Seeds that do not fit are repaired by the greedy descent of step 2
 #      (up to ``_REPAIR_SEEDS`` candidates; above, only the seeds that fit are used).
+#   5a. Seed "milp" (graphs of <= ``_MILP_OPS`` ops): the plan of the MILP of Note [Exact
+#      MILP of the backward liveness model], solved by HiGHS within ``_MILP_SECONDS``; the
+#      optimum itself on the graphs where that MILP is exact, a candidate elsewhere.
 #   5b. Hand seeds (Note [Hand seeds]: keep matmuls, block inputs, every k-th block output):
 #      each that fits is a candidate answer as is, so the answer never costs more than a
 #      fitting hand plan; the cheapest one also starts a local search (step 6, with
@@ -68,6 +71,7 @@ from dataclasses import dataclass
 
 from .._liveness import SimGraph, SimResult, simulate
 from ._budget_graph import Solution, brute_force, candidate_ops, mincut_sweep, segment_dp_sweep
+from ._budget_milp import milp_plan
 
 __all__ = [
     "SEEDS",
@@ -80,7 +84,7 @@ __all__ = [
 ]
 
 #: Starting points of the local search (see Note [Memory budget planning]).
-SEEDS = ("greedy", "simulated", "min-cut", "segment DP")
+SEEDS = ("greedy", "simulated", "min-cut", "segment DP", "milp")
 
 # Up to this many kept ops, repairs pick each drop by simulating every choice.
 _SIM_GUIDED = 48
@@ -90,6 +94,10 @@ _PAIRS = 24
 _TRY = 8
 # Up to this many candidates, graph seeds that do not fit are repaired by greedy descent.
 _REPAIR_SEEDS = 400
+# Up to this many ops, the exact MILP (Note [Exact MILP of the backward liveness model]) is a
+# seed, given at most _MILP_SECONDS.
+_MILP_OPS = 40
+_MILP_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,7 @@ def solve(
     max_evals: int = 1000,
     seeds: Sequence[str] = SEEDS,
     hand: Mapping[str, Iterable[int]] | None = None,
+    milp_seconds: float = _MILP_SECONDS,
 ) -> Solution:
     """Plan the kept ops among ``candidates``. See Note [Memory budget planning].
 
@@ -200,6 +209,7 @@ def solve(
         seeds: starting points to try, among :data:`SEEDS`.
         hand: hand plans by name (see Note [Hand seeds]): the answer costs at most as much
             as each of them that fits (their method is ``"hand: <name>"``).
+        milp_seconds: time limit of the "milp" seed (graphs of at most ``_MILP_OPS`` ops).
 
     Example:
         >>> sol = solve(graph, candidate_ops(graph), budget=graph.saved_bytes() // 2)  # doctest: +SKIP
@@ -212,7 +222,7 @@ def solve(
     if first.peak_bytes <= budget:
         starts = [("all", first, kept)]
     else:
-        starts = _starts(search, candidates, seeds)
+        starts = _starts(search, candidates, seeds, milp_seconds)
         spent = search.evals
         for name, plan in (hand or {}).items():  # see Note [Hand seeds]
             k = set(plan) & kept
@@ -260,7 +270,7 @@ def solve(
 
 
 def _starts(
-    search: _Search, candidates: Sequence[int], seeds: Sequence[str]
+    search: _Search, candidates: Sequence[int], seeds: Sequence[str], milp_seconds: float
 ) -> list[tuple[str, SimResult, set[int]]]:
     """Starting plans of the local search, each repaired to fit when it can be."""
     g, budget = search.g, search.budget
@@ -280,6 +290,9 @@ def _starts(
         graph_seeds.append(("min-cut", mincut_sweep(g, candidates, peak, budget)))
     if "segment DP" in seeds:
         graph_seeds.append(("segment DP", segment_dp_sweep(g, candidates, peak, budget)))
+    if "milp" in seeds and len(g.ops) <= _MILP_OPS:
+        exact = milp_plan(g, candidates, budget, time_limit=milp_seconds)
+        graph_seeds.append(("milp", [] if exact is None else [exact.kept_ops]))
     for name, plans in graph_seeds:
         for plan in plans:
             r = search.sim(plan)
