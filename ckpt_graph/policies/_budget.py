@@ -269,6 +269,13 @@ class MemoryBudget:
         return keep
 
     # ---------------------------------------------------------------- planning
+    def _op_costs(self, run: _Run) -> dict[int, int]:
+        """Recompute cost per op index of the block. See Note [Recompute cost model]."""
+        fpb = self.flops_per_byte
+        if fpb is None:
+            fpb = calibrated_flops_per_byte()
+        return {j: op_cost(f, run.moved.get(j, 0), fpb) for j, f in run.costs.items()}
+
     def _plan(self, region: Region, run: _Run) -> _Plan:
         end = len(region.nodes)
         free = []
@@ -280,13 +287,7 @@ class MemoryBudget:
             is_kept = any(o is not None and o.kept for o in node.outputs)
             if is_kept == answer:
                 free.append(j)
-        fpb = self.flops_per_byte
-        if fpb is None:
-            fpb = calibrated_flops_per_byte()
-        costs = {
-            j: op_cost(f, run.moved.get(j, 0), fpb) if f <= 0 else f for j, f in run.costs.items()
-        }
-        g = from_region(region, costs, free)
+        g = from_region(region, self._op_costs(run), free)
         candidates = candidate_ops(g, free)
         hand = hand_seeds(g, candidates, block_ids([n.module_path for n in region.nodes]))
         own = {g.values[v].storage for _, v in g.saved if g.values[v].producer >= run.start}
