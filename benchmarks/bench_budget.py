@@ -9,8 +9,9 @@ the recompute cost. The baseline is ``torch.utils.checkpoint`` (non-reentrant) o
 ``k`` blocks, k = 0..12: for each budget, the smallest k whose measured step peak is at most
 the planner's, and its recompute cost (k x one block's forward).
 
-Costs are FLOPs from ``torch.utils.flop_counter`` formulas for ops that have one (matmuls,
-attention) and one per output element otherwise; view ops cost nothing.
+Costs are memory_budget's (Note [Recompute cost model]): FLOPs from ``torch.utils.flop_counter``
+formulas for ops that have one (matmuls, attention), bytes read and written times the
+calibrated FLOPs per byte otherwise; view ops cost nothing.
 
 Run: ``python benchmarks/bench_budget.py [--out benchmarks/results_budget.md]``.
 """
@@ -26,6 +27,7 @@ import warnings
 from typing import Any
 
 import torch
+from ckpt_graph.planner.costs_model import calibrated_flops_per_byte, op_cost
 from torch.utils.checkpoint import checkpoint
 
 import ckpt_graph as cg
@@ -59,9 +61,10 @@ class CostRecorder:
         self.costs: dict[int, int] = {}
 
     def __call__(self, ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> None:
-        flops = ctx.flops
-        numel = out.numel() if isinstance(out, torch.Tensor) else 0
-        self.costs[ctx.op_index] = flops if flops > 0 else numel
+        moved = ctx.out_bytes + sum(
+            a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)
+        )
+        self.costs[ctx.op_index] = op_cost(ctx.flops, moved, calibrated_flops_per_byte())
 
 
 def block_cost(model: GPT, x: torch.Tensor) -> int:
@@ -142,12 +145,12 @@ class SolveProbe:
     def __enter__(self) -> SolveProbe:
         orig = self._orig
 
-        def probed(g: Any, candidates: Any, budget: int) -> Any:
+        def probed(g: Any, candidates: Any, budget: int, **kwargs: Any) -> Any:
             t = time.perf_counter()
             greedy = orig(g, candidates, budget, seeds=("greedy", "simulated"))
             t_greedy = time.perf_counter() - t
             t = time.perf_counter()
-            sol = orig(g, candidates, budget)
+            sol = orig(g, candidates, budget, **kwargs)
             t_all = time.perf_counter() - t
             cost = greedy.result.recompute_cost if greedy.feasible else -1
             self.rows.append((cost, t_greedy, sol.result.recompute_cost, t_all, sol.method))
@@ -175,7 +178,7 @@ def budget_row(model: GPT, x: torch.Tensor, fraction: float) -> dict[str, Any]:
     plan = policy._plan
 
     def timed_plan(region: Any, run: Any) -> Any:
-        costs.update(run.costs)  # the per-op costs the policy recorded (FLOPs or elements)
+        costs.update(policy._op_costs(run))  # the per-op costs the policy plans with
         t = time.perf_counter()
         out = plan(region, run)
         planning.append(time.perf_counter() - t)

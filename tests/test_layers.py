@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ckpt_graph"
 
 # Lowest first. A module's stage is the longest prefix listed here.
 STAGES: list[tuple[str, ...]] = [
-    ("ckpt_graph._errors", "ckpt_graph.memory"),
+    ("ckpt_graph._errors", "ckpt_graph._sizes", "ckpt_graph.memory"),
     ("ckpt_graph.engine",),
     ("ckpt_graph.grads", "ckpt_graph.nn"),
     ("ckpt_graph.policies",),

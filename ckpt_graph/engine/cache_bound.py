@@ -61,6 +61,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from ckpt_graph._errors import CkptGraphError
+from ckpt_graph._sizes import parse_size
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import Handle, OpNode
@@ -76,9 +77,6 @@ __all__ = [
     "plan_realize",
     "segment_limit",
 ]
-
-_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024}
-_UNITS.update({"mib": 1024**2, "gib": 1024**3})
 
 
 def parse_cache_limit(limit: object) -> int | str | None:
@@ -107,15 +105,9 @@ def parse_cache_limit(limit: object) -> int | str | None:
             return limit
         raise CkptGraphError(f"ckpt_graph: cache_limit={limit!r} is not a valid bound; {hint}")
     if isinstance(limit, str):
-        text = limit.strip().lower().replace(" ", "")
-        number = text.rstrip("kmgib")
-        unit = text[len(number) :]
-        try:
-            value = float(number)
-        except ValueError:
-            value = -1.0
-        if unit in _UNITS and math.isfinite(value) and int(value * _UNITS[unit]) > 0:
-            return int(value * _UNITS[unit])
+        size = parse_size(limit)
+        if size is not None and size > 0:
+            return size
     raise CkptGraphError(f"ckpt_graph: cache_limit={limit!r} is not a valid bound; {hint}")
 
 

@@ -1,8 +1,9 @@
 """``memory_budget(budget)``: keep what fits a memory budget with the least recompute.
 
 # Note [Memory budget policy]
-# 1. Budget. An int is bytes; a float in (0, 1] is a fraction of the activation memory
-#    the region would keep without checkpointing: the distinct storages of the values
+# 1. Budget. An int (or a string with a unit) is bytes; a float in (0, 1] is a fraction
+#    (see Note [Budget argument]) of the activation memory the region would keep without
+#    checkpointing: the distinct storages of the values
 #    autograd saves that the region's ops produce (``SimGraph.saved_bytes``); for a step
 #    of several regions, of the step's (Note [Step budget across regions]). It bounds
 #    the *simulated activation peak of backward* (kept + cached + held recomputed values,
@@ -11,11 +12,12 @@
 #    object (per-layer regions of ``wrap`` or ``integrations.transformers.enable``, several
 #    ``with`` blocks) share it, planned jointly (Note [Step budget across regions]).
 # 2. First step: no plan exists, so the online heuristic decides (rule 5) in each region
-#    (paced against that region's own saved bytes) while the region records the graph; the
-#    cost of each op is ``ctx.flops`` or, for ops without a FLOP formula (elementwise,
-#    reductions), the number of output elements. At the region's exit its graph is kept
-#    (``_Graph``, no tensors); once the step is over, the solver (Note [Memory budget
-#    planning]) plans the kept ops of the step's regions for the next steps.
+#    (paced against that region's own saved bytes) while the region records the graph, with
+#    each op's FLOPs (``ctx.flops``) and, for ops without a FLOP formula, the bytes it reads
+#    and writes: its recompute cost (Note [Recompute cost model]). At the region's exit its
+#    graph is kept (``_Graph``, no tensors); once the step is over, the solver (Note [Memory
+#    budget planning]) plans the kept ops of the step's regions for the next steps, starting
+#    also from the hand plans of Note [Hand seeds].
 # 3. Plans are keyed by the region's *ordinal within a step*: a step starts when a region
 #    is entered after every region of the previous one ran its backward or was released
 #    (gradient accumulation over micro-batches: each forward + backward is a step; several
@@ -124,7 +126,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
+from ckpt_graph._errors import CkptGraphValueError
+from ckpt_graph.planner.cost_model import calibrated_flops_per_byte, op_cost, parse_budget
+from ckpt_graph.planner.hand_seeds import block_ids, hand_seeds
 from ckpt_graph.planner.liveness import SimGraph, SimResult, from_region, simulate
 from ckpt_graph.planner.solve import KeptTensor, PlanReport, candidate_ops, solve
 
@@ -163,6 +167,7 @@ class _Graph:
     positions: dict[int, int]
     baseline: int
     outside: int
+    hand: dict[str, frozenset[int]] = field(default_factory=dict)  # Note [Hand seeds]
     menu: list[_Option] | None = None
 
 
@@ -232,6 +237,7 @@ class _Run:
     depth: int = 1
     signature: list[Signature] = field(default_factory=list)
     costs: dict[int, int] = field(default_factory=dict)
+    moved: dict[int, int] = field(default_factory=dict)  # bytes read + written per op
     answers: dict[int, bool] = field(default_factory=dict)
     heuristic: bool = False
     diverged_at: int = -1
@@ -254,20 +260,14 @@ class MemoryBudget:
         Note [Step budget across regions]).
     """
 
-    def __init__(self, budget: int | float) -> None:
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-            raise CkptGraphTypeError(
-                f"ckpt_graph: memory_budget needs an int (bytes) or a float in (0, 1], got "
-                f"{type(budget).__name__}"
-            )
-        if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+    def __init__(self, budget: int | float | str, *, flops_per_byte: float | None = None) -> None:
+        self.budget: int | float = parse_budget(budget)
+        if flops_per_byte is not None and not flops_per_byte >= 0:
             raise CkptGraphValueError(
-                f"ckpt_graph: memory_budget fraction must be in (0, 1], got {budget}; pass an "
-                "int for a budget in bytes"
+                f"ckpt_graph: memory_budget(flops_per_byte={flops_per_byte!r}) must be >= 0 "
+                "(FLOPs one byte moved costs); leave it None to calibrate on this machine"
             )
-        if isinstance(budget, int) and budget < 0:
-            raise CkptGraphValueError(f"ckpt_graph: memory_budget bytes must be >= 0, got {budget}")
-        self.budget = budget
+        self.flops_per_byte = flops_per_byte
         self._plans: dict[int, _Plan] = {}
         self._runs: dict[int, _Run] = {}
         self._step: list[weakref.ref[Region]] = []
@@ -384,7 +384,11 @@ class MemoryBudget:
             run = self._runs[id(region)]
             run.start = ctx.op_index
         flops = ctx.flops
-        run.costs[ctx.op_index] = flops if flops > 0 else _numel(out)
+        run.costs[ctx.op_index] = flops  # see Note [Recompute cost model]
+        if flops <= 0:
+            run.moved[ctx.op_index] = ctx.out_bytes + sum(
+                t.numel() * t.element_size() for t in _tensors(args)
+            )
         if ctx.op_name == _DETACH:  # see rule 6 of Note [Memory budget policy]
             run.answers[ctx.op_index] = False
             return CheckpointPolicy.PREFER_RECOMPUTE
@@ -492,15 +496,23 @@ class MemoryBudget:
             is_kept = any(o is not None and o.kept for o in node.outputs)
             if is_kept == answer:
                 free.append(j)
-        g = from_region(region, run.costs, free)
+        g = from_region(region, self._op_costs(run), free)
         candidates = candidate_ops(g, free)
+        hand = hand_seeds(g, candidates, block_ids([n.module_path for n in region.nodes]))
         own = {g.values[v].storage for _, v in g.saved if g.values[v].producer >= run.start}
         baseline = sum(g.values[s].nbytes for s in own if g.values[s].producer >= 0)
         outside = simulate(g, []).kept_bytes  # fixed kept storages count against the budget
         fixed_in = {g.values[v].storage for v in g.fixed if g.values[v].producer >= run.start}
         outside -= sum(g.values[s].nbytes for s in fixed_in)
         positions = {j: run.positions[j] for j in candidates if j in run.positions}
-        return _Graph(tuple(run.signature), g, candidates, positions, baseline, outside)
+        return _Graph(tuple(run.signature), g, candidates, positions, baseline, outside, hand)
+
+    def _op_costs(self, run: _Run) -> dict[int, int]:
+        """Recompute cost per op index of the block. See Note [Recompute cost model]."""
+        fpb = self.flops_per_byte
+        if fpb is None:
+            fpb = calibrated_flops_per_byte()
+        return {j: op_cost(f, run.moved.get(j, 0), fpb) for j, f in run.costs.items()}
 
     def _plan_step(self) -> None:
         """Plan the regions of the current step for the next ones, unless already planned.
@@ -520,7 +532,7 @@ class MemoryBudget:
             graph = seen.graph
             fraction = isinstance(self.budget, float)
             budget = int(self.budget * graph.baseline) if fraction else int(self.budget)
-            sol = solve(graph.g, graph.candidates, budget + graph.outside)
+            sol = solve(graph.g, graph.candidates, budget + graph.outside, hand=graph.hand)
             if not sol.feasible:
                 warnings.warn(
                     f"ckpt_graph: memory_budget({self.budget!r}): no plan found within "
@@ -595,12 +607,14 @@ class MemoryBudget:
         options = [_Option(frozenset(), simulate(g, []), "none")]
         everything = _Option(frozenset(cands), simulate(g, cands), "all")
         options.append(everything)
-        low = solve(g, cands, 0, max_evals=_MENU_EVALS)
+        low = solve(g, cands, 0, max_evals=_MENU_EVALS, hand=graph.hand)
         options.append(_Option(low.kept_ops, low.result, low.method))
         lo = min(o.result.peak_bytes for o in options)
         hi = everything.result.peak_bytes
         for i in range(1, _MENU):
-            sol = solve(g, cands, lo + (hi - lo) * i // _MENU, max_evals=_MENU_EVALS)
+            sol = solve(
+                g, cands, lo + (hi - lo) * i // _MENU, max_evals=_MENU_EVALS, hand=graph.hand
+            )
             if sol.feasible:
                 options.append(_Option(sol.kept_ops, sol.result, sol.method))
         # drop dominated entries: no lower peak, kept bytes or cost than another
@@ -666,17 +680,28 @@ class MemoryBudget:
         return self._step_plan
 
 
-def memory_budget(budget: int | float) -> MemoryBudget:
+def memory_budget(
+    budget: int | float | str, *, flops_per_byte: float | None = None
+) -> MemoryBudget:
     """A policy that keeps what fits ``budget`` with the least recompute.
 
     Args:
-        budget: bytes (int), or a fraction in (0, 1] of the activation memory the region
-            keeps without checkpointing, for one step: regions of a step that share the
+        budget: bytes (an int of at least 1 KiB, or a string with a unit: ``"512MiB"``,
+            ``"2GB"``, ``"1.5 GiB"``), or a fraction in (0, 1] (a float, or ``"40%"``; see
+            Note [Budget argument]) of the activation memory the region keeps without
+            checkpointing, for one step: regions of a step that share the
             object (per-layer regions of ``wrap`` or ``integrations.transformers.enable``,
             several ``with`` blocks) share the budget. A step ends when every region of it
             ran its backward (or was released); its regions are planned jointly when the
             next step starts. See Note [Memory budget policy] and Note [Step budget across
             regions].
+        flops_per_byte: FLOPs one byte moved by a memory-bound op is worth when comparing
+            recompute costs; ``None`` measures it on this machine at the first plan. See
+            Note [Recompute cost model].
+
+    Raises:
+        CkptGraphError: ``budget`` is not a budget (e.g. ``memory_budget(1)``: one byte; pass
+            1.0 for 100%).
 
     Example:
         >>> policy = memory_budget(0.5)  # the same object for every step
@@ -686,7 +711,7 @@ def memory_budget(budget: int | float) -> MemoryBudget:
         >>> model = cg.wrap(model, policy)  # a region per block, one budget per step
         >>> print(policy.step_report())  # doctest: +SKIP
     """
-    return MemoryBudget(budget)
+    return MemoryBudget(budget, flops_per_byte=flops_per_byte)
 
 
 def _choose(seen: list[_Seen], menus: list[list[_Option]], limit: int) -> list[int] | None:
@@ -787,11 +812,3 @@ def _elements(shapes: tuple[tuple[int, ...], ...]) -> int:
             n *= d
         total += n
     return total
-
-
-def _numel(out: Any) -> int:
-    if isinstance(out, torch.Tensor):
-        return out.numel()
-    if isinstance(out, (tuple, list)):
-        return sum(o.numel() for o in out if isinstance(o, torch.Tensor))
-    return 0

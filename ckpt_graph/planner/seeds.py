@@ -66,8 +66,9 @@ __all__ = [
 class Solution:
     """A plan: the kept candidate ops and what the simulator predicts for them.
 
-    ``method`` names the starting plan the local search improved (one of :data:`SEEDS`, or
-    "all" when keeping every candidate fits).
+    ``method`` names the starting plan the local search improved (one of :data:`SEEDS`,
+    ``"hand: <name>"`` for a hand plan of Note [Hand seeds], or "all" when keeping every
+    candidate fits).
     """
 
     kept_ops: frozenset[int]

@@ -29,6 +29,15 @@
 #      segments (Note [Min-cut and segment DP seeds] rule 3), its multiplier searched on the
 #      simulated peak. Seeds that do not fit are repaired by the greedy descent of step 2
 #      (up to ``_REPAIR_SEEDS`` candidates; above, only the seeds that fit are used).
+#   5a. Seed "milp" (graphs of <= ``_MILP_OPS`` ops): the plan of the MILP of Note [Exact
+#      MILP of the backward liveness model], solved by HiGHS within ``_MILP_SECONDS``; the
+#      optimum itself on the graphs where that MILP is exact, a candidate elsewhere.
+#   5b. Hand seeds (Note [Hand seeds]: keep matmuls, block inputs, every k-th block output):
+#      each that fits is a candidate answer as is, so the answer never costs more than a
+#      fitting hand plan; the cheapest one also starts a local search (step 6, with
+#      ``max_evals / 4`` more) when it beats every local optimum found so far (a search
+#      from it cost up to 3x the planning time of a 4-layer HF GPT-2 for no gain when it
+#      was run always). Unlike the seeds above they are not repaired.
 #   6. Local search from the greedy seeds that fit, sharing ``max_evals`` (simulations and
 #      marginal-cost sweeps, each O(ops); simulations are cached), then from the cheapest
 #      fitting plan of each graph seed with ``max_evals / 4`` more each (so the graph seeds
@@ -59,10 +68,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ckpt_graph.planner.liveness import SimGraph, SimResult, simulate
+from ckpt_graph.planner.milp import milp_plan
 from ckpt_graph.planner.seeds import (
     Solution,
     brute_force,
@@ -82,7 +92,7 @@ __all__ = [
 ]
 
 #: Starting points of the local search (see Note [Memory budget planning]).
-SEEDS = ("greedy", "simulated", "min-cut", "segment DP")
+SEEDS = ("greedy", "simulated", "min-cut", "segment DP", "milp")
 
 # Up to this many kept ops, repairs pick each drop by simulating every choice.
 _SIM_GUIDED = 48
@@ -92,6 +102,10 @@ _PAIRS = 24
 _TRY = 8
 # Up to this many candidates, graph seeds that do not fit are repaired by greedy descent.
 _REPAIR_SEEDS = 400
+# Up to this many ops, the exact MILP (Note [Exact MILP of the backward liveness model]) is a
+# seed, given at most _MILP_SECONDS.
+_MILP_OPS = 40
+_MILP_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -190,6 +204,8 @@ def solve(
     *,
     max_evals: int = 1000,
     seeds: Sequence[str] = SEEDS,
+    hand: Mapping[str, Iterable[int]] | None = None,
+    milp_seconds: float = _MILP_SECONDS,
 ) -> Solution:
     """Plan the kept ops among ``candidates``. See Note [Memory budget planning].
 
@@ -199,6 +215,9 @@ def solve(
         budget: bytes the simulated activation peak of backward may reach.
         max_evals: simulations and marginal-cost sweeps the local search may spend.
         seeds: starting points to try, among :data:`SEEDS`.
+        hand: hand plans by name (see Note [Hand seeds]): the answer costs at most as much
+            as each of them that fits (their method is ``"hand: <name>"``).
+        milp_seconds: time limit of the "milp" seed (graphs of at most ``_MILP_OPS`` ops).
 
     Example:
         >>> sol = solve(graph, candidate_ops(graph), budget=graph.saved_bytes() // 2)  # doctest: +SKIP
@@ -207,15 +226,23 @@ def solve(
     search = _Search(g, budget, max_evals)
     kept = set(candidates)
     first = search.sim(kept)
+    hand_fit: list[tuple[SimResult, set[int], str]] = []
     if first.peak_bytes <= budget:
         starts = [("all", first, kept)]
     else:
-        starts = _starts(search, candidates, seeds)
+        starts = _starts(search, candidates, seeds, milp_seconds)
+        spent = search.evals
+        for name, plan in (hand or {}).items():  # see Note [Hand seeds]
+            k = set(plan) & kept
+            r = search.sim(k)
+            if r.peak_bytes <= budget:
+                hand_fit.append((r, k, f"hand: {name}"))
+        search.extra += search.evals - spent  # not taken from the greedy search
     fitting: dict[frozenset[int], tuple[str, SimResult]] = {}
     for name, r, k in starts:
         if r.peak_bytes <= budget:
             fitting.setdefault(frozenset(k), (name, r))
-    if not fitting:
+    if not fitting and not hand_fit:
         name, low, low_kept = min(starts, key=lambda t: t[1].peak_bytes)
         return Solution(frozenset(low_kept), low, False, name)
     # The greedy seeds share max_evals (the first may spend it all); then the cheapest start
@@ -235,14 +262,24 @@ def solve(
         search.limit = search.evals + max_evals // 4
         best, best_kept = search.improve(candidates, r, set(start))
         plans.append((best, best_kept, name))
-    # ties go to the earliest method of SEEDS: a seed "wins" only when strictly cheaper
+    if hand_fit:  # each fitting hand plan as is, then a search from the cheapest if it wins
+        r, start_kept, name = min(hand_fit, key=lambda t: t[0].recompute_cost)
+        if not plans or r.recompute_cost < min(p[0].recompute_cost for p in plans):
+            search.limit = search.evals + max_evals // 4
+            best, best_kept = search.improve(candidates, r, set(start_kept))
+            plans.append((best, best_kept, name))
+        plans += hand_fit
+    # ties go to the earliest method of SEEDS, then hand plans: a seed "wins" only when
+    # strictly cheaper
     order = {m: i for i, m in enumerate(("all", *SEEDS))}
-    best, best_kept, name = min(plans, key=lambda t: (t[0].recompute_cost, order[t[2]]))
+    best, best_kept, name = min(
+        plans, key=lambda t: (t[0].recompute_cost, order.get(t[2], len(order)))
+    )
     return Solution(frozenset(best_kept), best, True, name)
 
 
 def _starts(
-    search: _Search, candidates: Sequence[int], seeds: Sequence[str]
+    search: _Search, candidates: Sequence[int], seeds: Sequence[str], milp_seconds: float
 ) -> list[tuple[str, SimResult, set[int]]]:
     """Starting plans of the local search, each repaired to fit when it can be."""
     g, budget = search.g, search.budget
@@ -262,6 +299,9 @@ def _starts(
         graph_seeds.append(("min-cut", mincut_sweep(g, candidates, peak, budget)))
     if "segment DP" in seeds:
         graph_seeds.append(("segment DP", segment_dp_sweep(g, candidates, peak, budget)))
+    if "milp" in seeds and len(g.ops) <= _MILP_OPS:
+        exact = milp_plan(g, candidates, budget, time_limit=milp_seconds)
+        graph_seeds.append(("milp", [] if exact is None else [exact.kept_ops]))
     for name, plans in graph_seeds:
         for plan in plans:
             r = search.sim(plan)

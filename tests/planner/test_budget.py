@@ -126,12 +126,13 @@ def test_solver_keeps_everything_when_it_fits_and_reports_infeasible_budgets() -
 
 
 def test_budget_argument_is_validated() -> None:
-    with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\]"):
+    # the forms and messages in detail: tests/test_planner_dominance.py
+    with pytest.raises(cg.CkptGraphError, match=r"must be in \(0, 1\]"):
         memory_budget(1.5)
-    with pytest.raises(ValueError, match="bytes must be >= 0"):
+    with pytest.raises(cg.CkptGraphError, match="at least 1 KiB"):
         memory_budget(-1)
-    with pytest.raises(TypeError, match="needs an int"):
-        memory_budget("half")  # type: ignore[arg-type]
+    with pytest.raises(cg.CkptGraphError, match="is not a size"):
+        memory_budget("half")
     assert isinstance(memory_budget(0.5), MemoryBudget)
 
 
@@ -345,7 +346,7 @@ def test_attention_is_costed_by_its_flops_and_kept_when_the_budget_allows() -> N
     torch.manual_seed(0)
     model = GPT(128, 64, 4, 4, 32).train()
     x = torch.randint(0, 128, (4, 32))
-    policy = memory_budget(0.7)
+    policy = memory_budget(0.7, flops_per_byte=2.0)  # the calibrated value varies with load
     for _ in range(2):  # plan, then apply
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

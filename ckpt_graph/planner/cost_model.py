@@ -1,0 +1,164 @@
+"""What ``memory_budget`` accepts as a budget, and what recomputing an op costs.
+
+# Note [Budget argument]
+# ``memory_budget(budget)`` takes bytes as an int, bytes as a string with a unit, or a
+# fraction of the region's activation memory as a float in (0, 1]:
+#   - units are decimal (``B``, ``KB``, ``MB``, ``GB``, ``TB``: powers of 1000) or binary
+#     (``KiB``, ``MiB``, ``GiB``, ``TiB``: powers of 1024), case-insensitive, with optional
+#     spaces and a decimal number (``"1.5 GiB"``); ``"40%"`` is the fraction 0.4;
+#   - an int below 1 KiB is refused: no region fits in a few bytes, and ``memory_budget(1)``
+#     is almost always meant as 100% (``memory_budget(1.0)``). The message says so.
+#   - a bare ``K``/``M``/``G`` is refused (bytes or bits? powers of 1000 or 1024?).
+# Every refusal is a ``CkptGraphError`` naming the value and the accepted forms.
+
+# Note [Recompute cost model]
+# The planner compares plans by the time backward spends recomputing, in FLOP units. A
+# roofline: an op's time is its FLOPs over the machine's FLOP rate or its bytes moved over
+# its memory bandwidth, whichever is larger. Matmul-class ops (those with a FLOP formula in
+# ``torch.utils.flop_counter``: mm, addmm, bmm, baddbmm, convolution, attention) are costed
+# by their FLOPs; every other op (pointwise, reductions, copies, layer norm: memory-bound)
+# by ``flops_per_byte x (bytes read + bytes written)``, where ``flops_per_byte`` is the
+# FLOPs a matmul runs in the time a pointwise op moves one byte on this machine. It is
+# *calibrated* once per process, at the first plan, from two measured op times (the best of
+# 9 interleaved runs of a 256^3 float32 matmul and of a 2^20-element float32 add, about
+# 30 ms in all), and clamped to [0.5, 16] (measured here: 0.9-2.4 on the loaded 2-core CPU);
+# ``memory_budget(..., flops_per_byte=x)`` fixes it instead (tests, reproducible plans). Before this model, a pointwise op cost one FLOP per output
+# element, i.e. 0.25 FLOP per byte written for float32 and nothing for its reads, so plans
+# recomputed long pointwise chains (GELU, softmax, dropout) as if they were nearly free and
+# kept matmul outputs less often than their time warrants.
+# Known limitations: one constant for every memory-bound op (a strided copy or a reduction
+# moves bytes more slowly than an add); bytes are the tensors' sizes, not what the kernel
+# touches (broadcasts count once); calibration on a loaded machine is noisy (the clamp bounds
+# the damage; plans are made once and reused).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
+from ckpt_graph._sizes import parse_size
+
+__all__ = ["calibrated_flops_per_byte", "op_cost", "parse_budget"]
+
+_MIN_BYTES = 1024
+_FORMS = (
+    'pass bytes as an int (at least 1 KiB) or a string with a unit ("512MiB", "2GB", '
+    '"1.5 GiB"), or a fraction of the region\'s activation memory as a float in (0, 1] '
+    '("40%" also works)'
+)
+
+
+def parse_budget(budget: object) -> int | float:
+    """The budget in bytes (int) or as a fraction in (0, 1] (float). See Note [Budget argument].
+
+    Raises:
+        CkptGraphError: not a budget; the message gives the accepted forms.
+
+    Example:
+        >>> parse_budget("1.5 KiB"), parse_budget(0.25), parse_budget("40%"), parse_budget(4096)
+        (1536, 0.25, 0.4, 4096)
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise CkptGraphTypeError(
+            f"ckpt_graph: memory_budget got {type(budget).__name__} {budget!r}; {_FORMS}"
+        )
+    if isinstance(budget, str):
+        return _parse_str(budget)
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:  # also refuses nan
+            raise CkptGraphValueError(
+                f"ckpt_graph: memory_budget({budget!r}): a float is a fraction of the "
+                f"activation memory and must be in (0, 1]; {_FORMS}"
+            )
+        return budget
+    if budget < _MIN_BYTES:
+        hint = (
+            " If you meant 100% of the activation memory, pass the float 1.0."
+            if budget == 1
+            else ""
+        )
+        raise CkptGraphValueError(
+            f"ckpt_graph: memory_budget({budget}) is {budget} bytes: an int budget is bytes "
+            f"and must be at least 1 KiB ({_MIN_BYTES}); no region fits in less.{hint} "
+            f"To fix it, {_FORMS}"
+        )
+    return budget
+
+
+def _parse_str(text: str) -> int | float:
+    if text.strip().endswith("%"):
+        try:
+            percent = float(text.strip()[:-1])
+        except ValueError:
+            percent = math.nan
+        if math.isfinite(percent):
+            return parse_budget(percent / 100)
+    size = parse_size(text)
+    if size is None:
+        raise CkptGraphValueError(
+            f"ckpt_graph: memory_budget({text!r}) is not a size: use a number and a unit among "
+            f"B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), or a "
+            f"percentage; {_FORMS}"
+        )
+    return parse_budget(size)
+
+
+def op_cost(flops: int, nbytes: int, flops_per_byte: float) -> int:
+    """Recompute cost of one op in FLOP units. See Note [Recompute cost model].
+
+    Args:
+        flops: the op's FLOPs from a formula (0: none, a memory-bound op).
+        nbytes: bytes it reads and writes (its tensor inputs and outputs).
+        flops_per_byte: FLOPs worth one byte moved on this machine.
+
+    Example:
+        >>> op_cost(2_000_000, 48_000, 4.0), op_cost(0, 48_000, 4.0)
+        (2000000, 192000)
+    """
+    if flops > 0:
+        return flops
+    return math.ceil(nbytes * flops_per_byte)
+
+
+_CLAMP = (0.5, 16.0)
+_ROUNDS = 9
+
+
+@functools.cache
+def calibrated_flops_per_byte() -> float:
+    """FLOPs of a float32 matmul per byte a pointwise add moves in the same time, measured.
+
+    Cached for the process. See Note [Recompute cost model].
+    """
+    # Planning runs at region exit, inside the region's recorder (and maybe a user's flop
+    # counter or another mode): the calibration's ops belong to none of them.
+    with _disable_current_modes(), torch.no_grad(), torch.inference_mode():
+        # not torch.randn: calibrating must not advance the user's random stream
+        a = torch.full((256, 256), 0.5)
+        b = torch.full((256, 256), 0.25)
+        x = torch.full((1 << 20,), 0.5)
+        y = torch.full((1 << 20,), 0.25)
+
+        def once(fn: Callable[[], object]) -> float:
+            t0 = time.perf_counter()
+            fn()
+            return max(time.perf_counter() - t0, 1e-9)
+
+        once(lambda: torch.mm(a, b))  # warm-up
+        once(lambda: torch.add(x, y))
+        # interleaved, best of each: a run that another process slowed down does not count
+        mm_s = add_s = float("inf")
+        for _ in range(_ROUNDS):
+            mm_s = min(mm_s, once(lambda: torch.mm(a, b)))
+            add_s = min(add_s, once(lambda: torch.add(x, y)))
+    flop_rate = 2 * 256**3 / mm_s
+    byte_rate = 3 * 4 * (1 << 20) / add_s
+    lo, hi = _CLAMP
+    return min(max(flop_rate / byte_rate, lo), hi)

@@ -1,0 +1,155 @@
+"""Hand plans as seeds of the memory-budget solver: the configurations people write by hand.
+
+# Note [Hand seeds]
+# A plan the solver returns must never be worse, under its own cost model, than the simple
+# plans a user would write by hand and that the graph can express. Those plans are seeds of
+# ``_budget_solve.solve``: each is simulated; every one that fits the budget is a candidate
+# answer as is (so the answer costs at most as much as each fitting hand plan), and the
+# cheapest fitting one also starts a local search. The hand plans, as sets of kept ops:
+#   - ``matmuls``: every matmul-class op (mm, addmm, bmm, baddbmm, convolution, attention):
+#     JAX's ``dots_saveable``, torch SAC saving matmuls.
+#   - with *blocks* (below): ``block inputs``, every block's inputs (torch.utils.checkpoint
+#     per block); ``blocks/k`` for k = 1..N, the outputs of blocks k-1, 2k-1, ... and of the
+#     last block plus the first block's inputs (checkpoint over groups of k blocks, Chen et
+#     al.'s sqrt(N) at k = round(sqrt(N))); ``matmuls+block inputs`` (SAC per block). These
+#     also keep what torch leaves outside its checkpoints: the values saved by ops outside
+#     every block (embedding, head, loss).
+# A value is kept through the op owning its storage (a view's base), when that op is a
+# candidate; values the plan cannot keep (region inputs, fixed values) are kept anyway.
+# Blocks are the children of the top-level repeated module: for each op's module path
+# (``OpNode.module_path``, e.g. ``"blocks.3.attn.c_attn"``) the prefix up to its first numeric
+# component names a child (``"blocks"``, ``"3"``); the container with the most distinct
+# children (at least 2) is the block list (a ``ModuleList`` of layers, HF's
+# ``transformer.h``), its children numbered in forward order. A region over one layer has
+# no blocks: only ``matmuls`` is tried.
+# Measured (tests/test_planner_dominance.py): on synthetic 6-block graphs, at the peak of
+# "block inputs" the other seeds found no plan that fits in 6 of 12 graphs (9 blocks: 11 of
+# 12, also at "blocks/2"); with hand seeds every answer costs at most each fitting hand
+# plan there and on the zoo's gpt, mlp and cnn. Measured end to end against torch (peak
+# and FLOPs at each torch configuration's peak): benchmarks/results_pareto.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ckpt_graph.planner.liveness import SimGraph
+
+__all__ = ["MATMUL_OPS", "block_ids", "hand_seeds"]
+
+#: Short aten names of matmul-class ops (costed by FLOPs, kept by the ``matmuls`` seed).
+MATMUL_OPS = frozenset(
+    {
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "convolution",
+        "_convolution",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+    }
+)
+
+
+def short_name(name: str) -> str:
+    """``"aten.mm.default"`` -> ``"mm"``."""
+    parts = name.split(".")
+    return parts[1] if len(parts) >= 3 else name
+
+
+def block_ids(paths: Sequence[str]) -> list[int]:
+    """Block number of each op (-1 outside blocks) from its module path. See Note [Hand seeds].
+
+    Example:
+        >>> block_ids(["", "blocks.0.ln", "blocks.0", "blocks.1.mlp.0", "head"])
+        [-1, 0, 0, 1, -1]
+    """
+    keys: list[tuple[str, str] | None] = []
+    children: dict[str, dict[str, int]] = {}
+    for path in paths:
+        key = None
+        parts = path.split(".") if path else []
+        for i in range(1, len(parts)):
+            if parts[i].isdigit():
+                key = (".".join(parts[:i]), parts[i])
+                kids = children.setdefault(key[0], {})
+                kids.setdefault(key[1], len(kids))
+                break
+        keys.append(key)
+    if not children:
+        return [-1] * len(paths)
+    container, kids = max(children.items(), key=lambda kv: len(kv[1]))  # first on ties
+    if len(kids) < 2:
+        return [-1] * len(paths)
+    return [kids[k[1]] if k is not None and k[0] == container else -1 for k in keys]
+
+
+def hand_seeds(
+    g: SimGraph, candidates: Sequence[int], blocks: Sequence[int] | None = None
+) -> dict[str, frozenset[int]]:
+    """The hand plans of Note [Hand seeds], as kept candidate ops, by name.
+
+    Args:
+        g: the region's graph.
+        candidates: ops a plan may keep.
+        blocks: block number of each op of ``g`` (-1 outside blocks), e.g. from
+            :func:`block_ids`; ``None`` or a length other than ``len(g.ops)``: no blocks.
+
+    Example:
+        >>> hand_seeds(graph, candidate_ops(graph), [-1, 0, 0, 1, 1, -1])  # doctest: +SKIP
+        {'matmuls': frozenset({1, 3}), 'block inputs': frozenset({0, 2}), ...}
+    """
+    cands = set(candidates)
+    values, ops = g.values, g.ops
+
+    def owner(v: int) -> set[int]:
+        p = values[values[v].storage].producer
+        return {p} if p in cands else set()
+
+    seeds: dict[str, frozenset[int]] = {}
+    matmuls = frozenset(j for j in cands if short_name(ops[j].name) in MATMUL_OPS)
+    if matmuls:
+        seeds["matmuls"] = matmuls
+    if blocks is None or len(blocks) != len(ops) or max(blocks, default=-1) < 1:
+        return seeds
+    n_blocks = max(blocks) + 1
+    inputs: list[set[int]] = [set() for _ in range(n_blocks)]
+    outputs: list[set[int]] = [set() for _ in range(n_blocks)]
+    outside: set[int] = set()
+
+    def crossing(v: int, b: int) -> None:
+        """Value ``v`` is read by an op or a saved tensor of block ``b`` (-1: outside)."""
+        p = values[v].producer
+        if p < 0:
+            return
+        pb = blocks[p]
+        if b >= 0 and pb != b:
+            inputs[b] |= owner(v)
+        if pb >= 0 and pb != b:
+            outputs[pb] |= owner(v)
+
+    for j, op in enumerate(ops):
+        for v in op.inputs:
+            crossing(v, blocks[j])
+    for step, v in g.saved:
+        crossing(v, blocks[step])
+        if blocks[step] < 0:
+            outside |= owner(v)
+    every_input = frozenset(set().union(*inputs) | outside)
+    seeds["block inputs"] = every_input
+    if matmuls:
+        seeds["matmuls+block inputs"] = matmuls | every_input
+    for k in range(1, n_blocks + 1):
+        kept = set(inputs[0]) | outside
+        for b in range(n_blocks):
+            if (b + 1) % k == 0 or b == n_blocks - 1:
+                kept |= outputs[b]
+        seeds[f"blocks/{k}"] = frozenset(kept)
+    unique: dict[frozenset[int], str] = {}
+    for name, plan in seeds.items():
+        unique.setdefault(plan, name)
+    return {name: plan for plan, name in unique.items()}

@@ -1,0 +1,99 @@
+"""The exact MILP of the memory-budget problem on synthetic graphs (no framework in the loop)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue, simulate
+from ckpt_graph.planner.milp import exact_for, milp_plan
+from ckpt_graph.planner.solve import brute_force, candidate_ops, solve
+
+
+def milp_graph(seed: int, n_ops: int) -> SimGraph:
+    """A random DAG in the MILP's exact class: one output per op, every op saves its inputs.
+
+    Short skips, varied sizes and costs; some ops also save their output.
+    """
+    rng = random.Random(seed)
+    values = [SimValue(rng.choice([8, 16, 32]), -1, 0)]
+    ops: list[SimOp] = []
+    saved: list[tuple[int, int]] = []
+    for j in range(n_ops):
+        window = range(max(0, len(values) - 4), len(values))
+        ins = sorted({rng.choice(window) for _ in range(rng.choice([1, 1, 2]))})
+        v = len(values)
+        values.append(SimValue(rng.choice([4, 8, 16, 32, 64]), j, v))
+        ops.append(SimOp(tuple(ins), (v,), rng.choice([1, 2, 5, 10, 50, 100])))
+        saved += [(j, i) for i in ins]
+        if rng.random() < 0.2:
+            saved.append((j, v))
+    return SimGraph(tuple(values), tuple(ops), tuple(saved))
+
+
+def budgets(g: SimGraph) -> list[int]:
+    cands = candidate_ops(g)
+    full = simulate(g, cands).peak_bytes
+    none = simulate(g, []).peak_bytes
+    lo, hi = min(full, none), max(full, none)
+    return [int(lo + f * (hi - lo)) for f in (0.1, 0.3, 0.5, 0.8)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_milp_optimum_equals_enumeration(seed: int) -> None:
+    g = milp_graph(seed, 12)
+    assert exact_for(g)
+    cands = candidate_ops(g)
+    for budget in budgets(g):
+        best = brute_force(g, cands, budget)
+        got = milp_plan(g, cands, budget, time_limit=30.0)
+        if best is None:
+            assert got is None
+            continue
+        assert got is not None and got.optimal
+        r = simulate(g, got.kept_ops)
+        assert r.peak_bytes <= budget
+        assert r.recompute_cost == best.result.recompute_cost == round(got.cost)
+
+
+NO_MILP = ("greedy", "simulated", "min-cut", "segment DP")
+
+
+def test_solver_gap_to_the_milp_optimum_on_30_op_graphs() -> None:
+    # measured on 15 graphs x 4 budgets: the heuristic seeds alone were optimal in 59 of 60
+    # cases, 11% above it in one (this graph, 10 vs 9); with the MILP seed: optimal (the
+    # MILP takes 0.6 s median, 3 s at most there on the loaded 2-core machine: not timed here)
+    g = milp_graph(3, 30)
+    cands = candidate_ops(g)
+    best = milp_plan(g, cands, 613, time_limit=30.0)
+    assert best is not None and best.optimal and round(best.cost) == 9
+    heuristic = solve(g, cands, 613, seeds=NO_MILP)
+    assert heuristic.feasible and heuristic.result.recompute_cost == 10
+    exact = solve(g, cands, 613, milp_seconds=30.0)
+    assert exact.feasible and exact.result.recompute_cost == 9 and exact.method == "milp"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_solver_reaches_the_milp_optimum_on_small_graphs(seed: int) -> None:
+    g = milp_graph(100 + seed, 24)
+    cands = candidate_ops(g)
+    for budget in budgets(g):
+        best = milp_plan(g, cands, budget, time_limit=30.0)
+        sol = solve(g, cands, budget, milp_seconds=30.0)
+        if best is None:
+            assert not sol.feasible
+            continue
+        assert best.optimal and sol.feasible
+        heuristic = solve(g, cands, budget, seeds=NO_MILP)
+        assert heuristic.result.recompute_cost >= round(best.cost)  # never below the optimum
+        assert sol.result.recompute_cost == round(best.cost)
+
+
+def test_milp_is_not_exact_for_views_or_partial_saves() -> None:
+    g = milp_graph(0, 8)
+    assert exact_for(g)
+    views = SimGraph(g.values + (SimValue(8, 7, g.ops[7].outputs[0]),), g.ops, g.saved)
+    assert not exact_for(views)
+    partial = SimGraph(g.values, g.ops, g.saved[1:])
+    assert not exact_for(partial)
