@@ -27,7 +27,6 @@ import warnings
 from typing import Any
 
 import torch
-from ckpt_graph.planner.costs_model import calibrated_flops_per_byte, op_cost
 from torch.utils.checkpoint import checkpoint
 
 import ckpt_graph as cg
@@ -35,6 +34,7 @@ from ckpt_graph.compare.zoo import GPT
 from ckpt_graph.engine import realize
 from ckpt_graph.memory import measure
 from ckpt_graph.planner import memory_budget as budget_mod
+from ckpt_graph.planner.cost_model import calibrated_flops_per_byte, op_cost
 from ckpt_graph.planner.liveness import from_region, kept_ops_of, simulate
 from ckpt_graph.planner.memory_budget import memory_budget
 

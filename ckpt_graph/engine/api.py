@@ -220,7 +220,7 @@ def _policy_from_context_fn(context_fn: Callable[[], Any] | None) -> Any:
     """torch's SAC ``context_fn`` as a ckpt_graph policy (None for none or torch's no-op).
 
     Relies on torch's private ``_CachingTorchDispatchMode.policy_fn`` (pinned by a test in
-    tests/test_checkpoint_dropin.py): torch has no public accessor for it.
+    tests/integration/test_checkpoint_dropin.py): torch has no public accessor for it.
     """
     from torch.utils import checkpoint as torch_checkpoint
 

@@ -22,7 +22,7 @@
 # children (at least 2) is the block list (a ``ModuleList`` of layers, HF's
 # ``transformer.h``), its children numbered in forward order. A region over one layer has
 # no blocks: only ``matmuls`` is tried.
-# Measured (tests/test_planner_dominance.py): on synthetic 6-block graphs, at the peak of
+# Measured (tests/planner/test_planner_dominance.py): on synthetic 6-block graphs, at the peak of
 # "block inputs" the other seeds found no plan that fits in 6 of 12 graphs (9 blocks: 11 of
 # 12, also at "blocks/2"); with hand seeds every answer costs at most each fitting hand
 # plan there and on the zoo's gpt, mlp and cnn. Measured end to end against torch (peak

@@ -52,7 +52,7 @@
 #       within the allowance for ops with a FLOP formula (matmuls, convolutions, attention:
 #       many FLOPs per byte), within ``_CHEAP`` x allowance for the others.
 #    In-place ops, views and ops without tensor outputs are recomputed. Measured (zoo, GPTs:
-#    tests/test_budget.py, benchmarks/results_budget.md): the first step's simulated peak is
+#    tests/planner/test_budget.py, benchmarks/results_budget.md): the first step's simulated peak is
 #    0.8-1.3x the budget where a plan can fit it (before: up to 3.6x, and 0.2x at 90%); its
 #    recompute is 1.2-2.0x the plan's at 20-40% on the benchmark's 12-layer GPT but far
 #    above it at 60-90%, where the plan recomputes only cheap ops (the reserve in c stays

@@ -23,7 +23,7 @@
 # A[s, v] >= x[v] and A[s, v] >= sum_{s' >= s} C[s', v] for s >= m(v); and
 # sum_v bytes(v) A[s, v] <= budget for every step. Objective: sum cost(v) C[s, v].
 # Minimising pushes C, D and A down to the simulator's values, so the optimum is the
-# simulator's optimum (tests/test_milp.py checks it against enumeration). On other graphs
+# simulator's optimum (tests/planner/test_milp.py checks it against enumeration). On other graphs
 # the MILP's plan is only a candidate: ``solve`` judges it with the simulator like any
 # seed. Size: about 3 x steps x values variables; HiGHS solves 30-op graphs in well under a
 # second, and ``time_limit`` bounds it (the best plan found so far is returned).

@@ -19,7 +19,7 @@ See Note [Memory budget planning]. Also: candidate_ops, Solution, brute_force.
 #    each saved value's producer has ``out_p -> sink`` (backward needs it), and
 #    ``source -> in_j`` costs ``lam x cost(j)``: ops on the sink side are the ones that run.
 #    A minimum cut therefore minimises ``kept bytes + lam x recompute cost`` exactly for rule
-#    1's model (tests/test_budget.py checks it against enumeration); sweeping ``lam`` traces
+#    1's model (tests/planner/test_budget.py checks it against enumeration); sweeping ``lam`` traces
 #    the lower convex hull of (kept bytes, recompute cost). What it ignores is the peak's
 #    other half, the recomputed values cached during backward, so ``lam`` is chosen on the
 #    simulated peak: a grid of 5 values, then 4 bisection steps towards the largest ``lam``

@@ -126,7 +126,7 @@ def test_solver_keeps_everything_when_it_fits_and_reports_infeasible_budgets() -
 
 
 def test_budget_argument_is_validated() -> None:
-    # the forms and messages in detail: tests/test_planner_dominance.py
+    # the forms and messages in detail: tests/planner/test_planner_dominance.py
     with pytest.raises(cg.CkptGraphError, match=r"must be in \(0, 1\]"):
         memory_budget(1.5)
     with pytest.raises(cg.CkptGraphError, match="at least 1 KiB"):
@@ -196,7 +196,7 @@ def test_more_budget_means_less_recompute() -> None:
 def test_a_changed_graph_warns_once_and_is_planned_again() -> None:
     policy = memory_budget(0.5)
     gpt_run(policy)
-    # Other sizes alone are no change (see tests/test_budget_shapes.py); other ops are.
+    # Other sizes alone are no change (see tests/planner/test_budget_shapes.py); other ops are.
     with pytest.warns(UserWarning, match="differs from the planned one"):
         gpt_run(policy, layers=3)
     with warnings.catch_warnings():

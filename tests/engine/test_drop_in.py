@@ -268,7 +268,7 @@ def test_value_read_twice_is_freed() -> None:
         y.backward()
         return refs
 
-    run_once()  # the first run finishes lazy imports (see tests/test_lifetime.py)
+    run_once()  # the first run finishes lazy imports (see tests/engine/test_lifetime.py)
     gc.collect()
     LIVE_OUTPUTS.clear()
     gc.disable()

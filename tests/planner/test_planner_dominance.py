@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from ckpt_graph.planner.costs_model import calibrated_flops_per_byte, op_cost, parse_budget
 
 import ckpt_graph as cg
 from ckpt_graph.compare.zoo import build_workload
+from ckpt_graph.planner.cost_model import calibrated_flops_per_byte, op_cost, parse_budget
 from ckpt_graph.planner.hand_seeds import block_ids, hand_seeds
 from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue, from_region, simulate
 from ckpt_graph.planner.solve import candidate_ops, solve
