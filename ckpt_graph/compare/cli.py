@@ -14,7 +14,6 @@ import argparse
 import importlib.util
 import logging
 import os
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn, TextIO
@@ -22,11 +21,12 @@ from typing import Any, NoReturn, TextIO
 import torch
 
 import ckpt_graph
-from ckpt_graph._errors import CkptGraphValueError
+from ckpt_graph._errors import CkptGraphError, CkptGraphValueError
 from ckpt_graph.compare.output import format_table, have_matplotlib, plot, write_json
 from ckpt_graph.compare.runner import DEFAULT_STRATEGIES, STRATEGIES, run_comparison
 from ckpt_graph.compare.strategies import DEFAULT_BUDGET, POLICY_NAMES
 from ckpt_graph.compare.zoo import DEFAULTS, MODELS, WorkloadError, estimate_bytes
+from ckpt_graph.planner.cost_model import parse_budget as _parse_budget
 
 _DTYPES = {
     "float32": torch.float32,
@@ -128,36 +128,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30})
-
-
 def parse_budget(text: str) -> float | int:
-    """``--budget``: a fraction in (0, 1] (``"0.5"``) or bytes (``"300000"``, ``"64MiB"``).
+    """``--budget``: what ``memory_budget`` accepts, written on the command line: a fraction
+    in (0, 1] (``"0.5"``, ``"40%"``) or bytes (``"300000"``, ``"64MiB"``).
 
     Raises:
-        UsageError: anything else.
+        UsageError: anything else, with ``memory_budget``'s explanation.
 
     Example:
         >>> parse_budget("0.25"), parse_budget("2KiB")
         (0.25, 2048)
     """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    unit = m.group(2).upper() if m else ""
-    if m is None or unit not in _UNITS:
-        raise UsageError(
-            f"--budget {text!r}: give a fraction in (0, 1] such as 0.5, or bytes such as "
-            "300000 or 64MiB (units B, KB, MB, GB, KiB, MiB, GiB)"
-        )
-    value = float(m.group(1))
-    if not m.group(2) and 0.0 < value <= 1.0:
-        return value
-    if value <= 1.0 or value * _UNITS[unit] != int(value * _UNITS[unit]):
-        raise UsageError(
-            f"--budget {text!r}: a fraction must be in (0, 1] and a byte count a whole number "
-            "above 1"
-        )
-    return int(value * _UNITS[unit])
+    number: float | None
+    try:
+        number = float(text)
+    except ValueError:
+        number = None
+    try:
+        if number is not None and (number <= 1.0 or not number.is_integer()):
+            return _parse_budget(number)  # a plain number up to 1, or with a fraction: a fraction
+        return _parse_budget(int(number) if number is not None else text)
+    except CkptGraphError as e:
+        raise UsageError(f"--budget {text!r}: {str(e).removeprefix('ckpt_graph: ')}") from None
 
 
 def _check_output_path(option: str, path: str | None, formats: Sequence[str] = ()) -> None:

@@ -35,8 +35,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from ckpt_graph.planner.liveness import SimGraph
 
 __all__ = ["MilpResult", "exact_for", "milp_plan"]
@@ -87,6 +85,7 @@ def milp_plan(
         >>> r = milp_plan(graph, candidate_ops(graph), budget=4096)  # doctest: +SKIP
         >>> r.kept_ops, r.optimal  # doctest: +SKIP
     """
+    import numpy as np  # late: scipy and numpy load only when a plan is solved
     from scipy.optimize import Bounds, LinearConstraint, milp  # type: ignore[import-untyped]
     from scipy.sparse import csr_array  # type: ignore[import-untyped]
 

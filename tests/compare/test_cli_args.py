@@ -102,10 +102,16 @@ def test_parse_budget(text: str, value: float) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--budget", "0"], "--budget '0': a fraction must be in (0, 1]"),
-        (["--budget", "1.5"], "--budget '1.5': a fraction must be in (0, 1]"),
-        (["--budget", "ten"], "give a fraction in (0, 1] such as 0.5"),
-        (["--budget", "3TB"], "units B, KB, MB, GB, KiB, MiB, GiB"),
+        (
+            ["--budget", "0"],
+            "--budget '0': memory_budget(0.0): a float is a fraction of the activation memory and must be in (0, 1]",
+        ),
+        (
+            ["--budget", "1.5"],
+            "--budget '1.5': memory_budget(1.5): a float is a fraction of the activation memory and must be in (0, 1]",
+        ),
+        (["--budget", "ten"], "--budget 'ten': memory_budget('ten') is not a size"),
+        (["--budget", "3PB"], "is not a size: use a number and a unit"),
         (["--budget", "0.5", "--strategies", "none,cg-block"], "add cg-budget to --strategies"),
         (["--policy", "save_all"], "unknown policy 'save_all'; choose from recompute_all"),
         (["--strategies", "none,cg-policy"], "strategy cg-policy needs --policy NAME"),
