@@ -8,10 +8,22 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+# Test modules reuse a few helpers of other test modules (``from test_lifetime import
+# gc_disabled``); pytest puts a test file's own folder on sys.path only when it collects it,
+# so every folder of the mirror goes on it here, whatever subset is selected.
+for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
+    if (
+        _folder.is_dir()
+        and not _folder.name.startswith(("_", "."))
+        and str(_folder) not in sys.path
+    ):
+        sys.path.append(str(_folder))
 
 
 @pytest.fixture(autouse=True)

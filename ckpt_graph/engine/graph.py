@@ -93,6 +93,10 @@ class Handle:
         has_views: some view op of the region took this value as input.
         superseded: an in-place op of the region wrote over this value; autograd saved
             tensors of this value raise the version-counter error when unpacked.
+        writes: how many writes of the region went over this value (a view's base counts
+            the writes through its views).
+        base_writes: for a view, its base's ``writes`` when the view was made: a later
+            write changed the view's elements (see Note [Mutation and views], rule 6).
         uses: number of op nodes and saved tensors of the forward that consumed it.
         packs: number of saved tensors (autograd packs) that refer to it.
         live: after forward, saved tensors and runnable op nodes that may still need the
@@ -109,6 +113,7 @@ class Handle:
     __slots__ = (
         "__weakref__",
         "base",
+        "base_writes",
         "cache",
         "device",
         "dtype",
@@ -131,6 +136,7 @@ class Handle:
         "uses",
         "value",
         "version",
+        "writes",
     )
 
     def __init__(self, t: torch.Tensor, node_index: int, index: int) -> None:
@@ -151,6 +157,8 @@ class Handle:
         self.device: torch.device | None = None  # likewise
         self.is_view = False
         self.base: Handle | None = None
+        self.base_writes = 0
+        self.writes = 0
         self.has_views = False
         self.superseded = False
         self.uses = 0

@@ -47,9 +47,10 @@
 #      and version counter it shares (view ops take it from their input; in-place and
 #      ``out=`` results from the argument they wrote). A write through a view supersedes
 #      the base, in one step however many writes came before. A saved view whose tensor
-#      is gone (``y[0].sin()`` saves a temporary) is checked through its base: superseded
-#      in the region, or a version change of the base tensor after it, raises as eager
-#      does.
+#      is gone (``y[0].sin()`` saves a temporary) is checked through its base: a write
+#      of the region over the base after the view was made (the base's ``writes`` passed
+#      the view's ``base_writes``; the write that made the view does not count), or a
+#      version change of the base tensor after it, raises as eager does.
 #      Outputs of ``unsafe_chunk`` and its kin alias their input with version counters of
 #      their own and no view relation: a write to one supersedes the value it was cut
 #      from (nn.LSTM's gates), whose next use is rebased or a snapshot.
@@ -69,6 +70,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph.engine.graph import (
@@ -115,9 +117,12 @@ class StorageHistory:
             values of the storage are kept as snapshots instead.
     """
 
-    __slots__ = ("diverged", "head", "roots")
+    __slots__ = ("diverged", "head", "roots", "storage")
 
-    def __init__(self) -> None:
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        # Histories are found by the storage's address; a storage freed during the region
+        # and another allocated at its address must not share one.
+        self.storage = StorageWeakRef(storage)
         self.head: Handle | None = None
         self.roots: set[Handle] = set()
         self.diverged = False
@@ -163,7 +168,7 @@ def before_write(
         if not info.silent_writes:
             supersede_view_bases(region, written)
         key = t.untyped_storage().data_ptr()
-        _note_write(region, info, key, written)
+        _note_write(region, info, t.untyped_storage(), written)
         entries = region._by_storage.get(key)
         if not entries:
             continue
@@ -179,6 +184,7 @@ def before_write(
                 continue
             if k is not written and not info.silent_writes:
                 k.superseded = True  # its bytes change (see rule 3 for other counters)
+                k.writes += 1
             if k is written and k.uses == 0 and info.returns_written:
                 overwritten = k  # rule 4: its new version keeps the tensor
                 continue
@@ -204,11 +210,23 @@ def before_write(
     return overwritten
 
 
-def _note_write(region: Region, info: OpInfo, key: int, written: Handle) -> None:
-    """Update the storage's history before a write; ``after_write`` sets the new head."""
+def _history(region: Region, storage: torch.UntypedStorage) -> StorageHistory | None:
+    """The history of the writes to ``storage``, if the region wrote to it."""
+    key = storage.data_ptr()
     history = region._storages.get(key)
+    if history is not None and history.storage.expired():
+        del region._storages[key]  # a storage freed since, whose address was reused
+        return None
+    return history
+
+
+def _note_write(
+    region: Region, info: OpInfo, storage: torch.UntypedStorage, written: Handle
+) -> None:
+    """Update the storage's history before a write; ``after_write`` sets the new head."""
+    history = _history(region, storage)
     if history is None:
-        history = region._storages[key] = StorageHistory()
+        history = region._storages[storage.data_ptr()] = StorageHistory(storage)
     region._writing = None
     if history.diverged:
         return
@@ -262,7 +280,7 @@ def rebase(region: Region, t: torch.Tensor, old: Handle) -> Handle | None:
 
     ``old`` is the handle of the value ``t`` held before.
     """
-    history = region._storages.get(t.untyped_storage().data_ptr())
+    history = _history(region, t.untyped_storage())
     if history is None or history.head is None or (old.base or old) not in history.roots:
         return None
     head = history.head
@@ -301,9 +319,11 @@ def supersede_view_bases(region: Region, h: Handle) -> None:
     b = h.base
     if b is not None:
         b.superseded = True
+        b.writes += 1
     src = _alias_source(region, b or h)
     if src is not None:
         src.superseded = True
+        src.writes += 1
 
 
 def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -385,6 +405,7 @@ def mark_written(
         if not isinstance(written, Handle):
             continue
         written.superseded = not info.silent_writes
+        written.writes += not info.silent_writes
         if first is None:
             first = written
         if not info.returns_written:

@@ -211,7 +211,7 @@ def _check_version(region: Region, h: Handle) -> None:
         bt = b.value if b.value is not None and b.offload_device is None else None
         if bt is None and b.ref is not None:
             bt = b.ref()
-        if b.superseded:
+        if b.writes > h.base_writes:  # written after the view was made
             if bt is not None and version_of(bt) == b.version:
                 raise _untracked_write_error(h, region)
             raise _version_error(h, region, version_of(bt) if bt is not None else h.version + 1)

@@ -200,6 +200,7 @@ class Recorder(TorchDispatchMode):
                 b = uniq[0]
                 b.has_views = True
                 h.base = b.base or b
+                h.base_writes = h.base.writes
         ids[id(out)] = h
         node.outputs = (h,)
         nodes.append(node)
@@ -441,6 +442,8 @@ def record_node(
                 if previous is not None:  # See Note [Mutation and views], rule 6.
                     h.is_view, h.has_views = previous.is_view, previous.has_views
                     h.base = previous.base
+                    if h.base is not None:
+                        h.base_writes = h.base.writes
             elif info.view_outputs:
                 h.version = -1
                 region._unsettled.append(h)
@@ -449,6 +452,7 @@ def record_node(
                     b = inputs[0]
                     b.has_views = True
                     h.base = b.base or b
+                    h.base_writes = h.base.writes
             ids[id(o)] = h
             handles.append(h)
         node.outputs = tuple(handles)
