@@ -238,7 +238,7 @@ def make_forward(
         elif policy_name in POLICY_NAMES:
             policy = policy_name
         else:
-            raise ValueError(
+            raise CkptGraphValueError(
                 f"unknown policy {policy_name!r}; choose from {', '.join(POLICY_NAMES)}"
             )
 

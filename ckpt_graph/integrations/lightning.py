@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from ckpt_graph._errors import CkptGraphImportError
 from ckpt_graph.integrations.wrap import unwrap, wrap
 
 __all__ = ["CheckpointCallback"]  # noqa: F822  (built by the module __getattr__)
@@ -35,7 +36,7 @@ def _lightning_callback_base() -> type:
             continue
         base: type = module.Callback
         return base
-    raise ImportError(
+    raise CkptGraphImportError(
         "ckpt_graph: integrations.lightning.CheckpointCallback needs PyTorch Lightning "
         "(pip install pytorch_lightning, or lightning); without it call "
         "ckpt_graph.wrap(model) on the modules you train"
