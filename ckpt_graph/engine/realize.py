@@ -73,8 +73,7 @@
 # of its handle; a recomputed handle that drops to zero makes its producer dead once all
 # its recomputed outputs are, which takes a use of each of the producer's inputs, and so
 # on; a kept handle that drops to zero is released. So a kept block input is freed right
-# after the last backward node that could need it, as autograd frees a saved tensor. A dead
-# op node never runs again: its generator state (see Note [RNG replay]) is dropped too.
+# after the last backward node that could need it, as autograd frees a saved tensor.
 #
 # Replay context (set up in ``realize``): no grad (unpacked values must be plain tensors; autograd
 # re-attaches them to the original graph, which also makes ``create_graph=True`` work),
@@ -326,8 +325,6 @@ def count_live_uses(region: Region) -> None:
         if needed:
             for i in node.inputs:
                 i.live += 1
-        else:
-            node.rng = None  # it never runs again
     for h in region.inputs:
         h.live += h.packs
     for h in region.inputs:
@@ -359,7 +356,6 @@ def lose_use(region: Region, h: Handle) -> None:
         ):
             continue
         node.live = False
-        node.rng = None  # it never runs again: drop its generator state
         stack.extend(node.inputs)
 
 

@@ -678,6 +678,13 @@ def test_kept_bytes_count_copies_taken_before_a_write() -> None:
     _assert_same([w.grad], want)  # type: ignore[list-item]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 14 item 21: dropping a dead node's generator state made the liveness "
+    "simulator's predicted peaks miss the measured ones by up to 17% (tests/planner/"
+    "test_liveness.py), which suggests a node taken for dead can still run; reverted "
+    "until that is understood",
+)
 def test_dead_random_op_drops_its_generator_state() -> None:
     x = torch.randn(8, requires_grad=True)
     with cg.save_recompute_policy("recompute_all") as region:
