@@ -73,6 +73,19 @@ def signature(nb: Any) -> list[list[tuple[str, ...]]]:
     return cells
 
 
+def strip_stderr(nb: Any) -> Any:
+    """``nb`` without stderr outputs: warnings and progress bars name files of the machine
+    that ran it and drift from run to run; the committed notebook keeps what it shows."""
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [
+                o
+                for o in cell.get("outputs", [])
+                if not (o["output_type"] == "stream" and o["name"] == "stderr")
+            ]
+    return nb
+
+
 def execute(path: Path) -> Any:
     """The notebook at ``path`` executed in its own directory (raises if a cell raises)."""
     nb = nbformat.read(path, as_version=4)
@@ -107,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in paths:
         fresh = execute(path)
         if args.write:
-            nbformat.write(fresh, path)
+            nbformat.write(strip_stderr(fresh), path)
             print(f"wrote {path.name}")
             continue
         problems = stale_cells(nbformat.read(path, as_version=4), fresh)

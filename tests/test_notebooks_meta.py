@@ -45,6 +45,8 @@ def test_committed_with_outputs_in_order(path: Path) -> None:
     for i, cell in enumerate(code):
         errors = [o for o in cell.get("outputs", []) if o["output_type"] == "error"]
         assert not errors, f"{path.name}: code cell {i} was committed with an error"
+        stderr = [o for o in cell.get("outputs", []) if o.get("name") == "stderr"]
+        assert not stderr, f"{path.name}: code cell {i} has stderr (machine paths, warnings)"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
