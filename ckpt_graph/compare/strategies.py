@@ -58,28 +58,14 @@ DEFAULT_BUDGET = 0.5
 
 # Ops kept by the torch-sac strategy: the families of ckpt_graph.policies.save_matmuls
 # (matmuls, convolutions, fused attention) so that torch-sac and cg-matmuls keep the same values
-# and differ only in how they recompute the rest; a fallback list if policies is missing.
-_FALLBACK_MATMULS: tuple[str, ...] = (
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "convolution",
-    "_convolution",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
-)
+# and differ only in how they recompute the rest.
 
 
 @functools.cache
 def _matmul_ops() -> frozenset[object]:
-    try:
-        from ckpt_graph.policies import save_matmuls
+    from ckpt_graph.policies import save_matmuls
 
-        return frozenset(save_matmuls().ops)
-    except (ImportError, AttributeError):
-        return frozenset(getattr(aten, n) for n in _FALLBACK_MATMULS if hasattr(aten, n))
+    return frozenset(save_matmuls().ops)
 
 
 class StrategySkipped(Exception):

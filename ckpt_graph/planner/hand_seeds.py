@@ -34,25 +34,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ckpt_graph.planner.liveness import SimGraph
+from ckpt_graph.policies.builtins import MATMUL_OP_NAMES
 
 __all__ = ["MATMUL_OPS", "block_ids", "hand_seeds"]
 
-#: Short aten names of matmul-class ops (costed by FLOPs, kept by the ``matmuls`` seed).
-MATMUL_OPS = frozenset(
-    {
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "convolution",
-        "_convolution",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_fused_attention_overrideable",
-    }
-)
+#: Short aten names of matmul-class ops (costed by FLOPs, kept by the ``matmuls`` seed): the
+#: ops ``policies.save_matmuls`` keeps, so the seed is that policy's plan.
+MATMUL_OPS = frozenset(MATMUL_OP_NAMES)
 
 
 def short_name(name: str) -> str:

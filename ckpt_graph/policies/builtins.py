@@ -266,7 +266,7 @@ class recompute_ops(Policy):
 
 # Packets whose outputs save_matmuls keeps, when the installed torch has them. matmul and linear
 # are composite: the recorder sees the mm / addmm / bmm they decompose into.
-_MATMUL_OP_NAMES = (
+MATMUL_OP_NAMES = (
     "mm",
     "addmm",
     "bmm",
@@ -295,7 +295,7 @@ _MATMUL_OP_NAMES = (
 
 def _matmul_packets() -> list[OpOverloadPacket]:
     aten = torch.ops.aten
-    return [getattr(aten, name) for name in _MATMUL_OP_NAMES if hasattr(aten, name)]
+    return [getattr(aten, name) for name in MATMUL_OP_NAMES if hasattr(aten, name)]
 
 
 class save_matmuls(save_ops):
