@@ -228,7 +228,8 @@ def build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
 
 
 def resolve(policy: Any) -> Any:
-    return memory_budget(0.5) if policy == "budget" else policy
+    # A fixed flops_per_byte: the calibrated one varies with machine load, and so would the plan.
+    return memory_budget(0.5, flops_per_byte=0.5) if policy == "budget" else policy
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=str)
@@ -321,3 +322,17 @@ def test_baseline_is_what_plain_autograd_keeps_after_forward(name: str) -> None:
     assert g.saved_bytes() == report.end_bytes - y.numel() * y.element_size()
     steps = [s for s, _ in g.saved]
     assert steps == sorted(steps) and all(0 <= s < len(g.ops) for s in steps)
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="known: with pointwise ops costed at 4 FLOPs per byte, the cnn plan's measured "
+    "backward peak is 12% above the simulated one (32256 vs 28768 bytes); not yet explained",
+)
+def test_simulated_peak_of_a_bytes_heavy_cnn_plan() -> None:
+    model, x = build("cnn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        region, measured = run_region(model, (x,), memory_budget(0.5, flops_per_byte=4.0), steps=2)
+    predicted = predicted_peak(region)
+    assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)
