@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import re
 import sys
 from pathlib import Path
@@ -90,9 +91,22 @@ def execute(path: Path) -> Any:
     """The notebook at ``path`` executed in its own directory (raises if a cell raises)."""
     nb = nbformat.read(path, as_version=4)
     fresh = copy.deepcopy(nb)
-    NotebookClient(
-        fresh, timeout=TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}
-    ).execute()
+    # Figures are part of the outputs: the kernel draws inline whatever MPLBACKEND the
+    # caller has (CI sets Agg, which would show no figure).
+    backend = os.environ.get("MPLBACKEND")
+    os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+    try:
+        NotebookClient(
+            fresh,
+            timeout=TIMEOUT_S,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(HERE)}},
+        ).execute()
+    finally:
+        if backend is None:
+            del os.environ["MPLBACKEND"]
+        else:
+            os.environ["MPLBACKEND"] = backend
     return fresh
 
 
