@@ -75,9 +75,10 @@
 # on; a kept handle that drops to zero is released. So a kept block input is freed right
 # after the last backward node that could need it, as autograd frees a saved tensor.
 #
-# Replay context (set up in ``realize``): no grad (unpacked values must be plain tensors; autograd
-# re-attaches them to the original graph, which also makes ``create_graph=True`` work),
-# autocast off (the recorded ops already carry the casts autocast made), nothing recorded.
+# Replay context (``_enter_replay``, for ``realize`` and ``realize_again``): no grad
+# (unpacked values must be plain tensors; autograd re-attaches them to the original graph,
+# which also makes ``create_graph=True`` work), autocast off (the recorded ops already carry
+# the casts autocast made), nothing recorded, the forward's settings (Note [Replay globals]).
 """
 
 from __future__ import annotations
@@ -612,14 +613,16 @@ def _replay_globals(region: Region) -> Iterator[None]:
             REPLAY_GLOBALS[i][2](v)
 
 
-def realize(region: Region, h: Handle) -> torch.Tensor:
-    """Recompute ``h`` from the nearest kept values. See Note [Realize order]."""
-    if h.cache is not None:
-        return h.cache
-    nodes = region.nodes
-    state = region._pass
-    number = state.number
-    # The replay context, set up by hand: it runs once per unpack that recomputes.
+_Replay = tuple[bool, bool, Any, Any]
+
+
+def _enter_replay(region: Region) -> _Replay:
+    """Enter the replay context (see Note [Realize order]): nothing recorded, no grad, no
+    autocast, the forward's settings. Returns what :func:`_exit_replay` restores.
+
+    Plain functions rather than a context manager: this runs once per unpack that
+    recomputes, where a generator-based manager costs measurable time.
+    """
     recording = region._recording  # False inside a policy's call, even in an open region
     region._recording = False
     grad_was = torch.is_grad_enabled()
@@ -629,6 +632,27 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
         autocast.__enter__()
     settings = _replay_globals(region)
     settings.__enter__()
+    return recording, grad_was, autocast, settings
+
+
+def _exit_replay(region: Region, replay: _Replay) -> None:
+    """Leave the replay context entered by :func:`_enter_replay`."""
+    recording, grad_was, autocast, settings = replay
+    settings.__exit__(None, None, None)
+    if autocast is not None:
+        autocast.__exit__(None, None, None)
+    _set_grad_enabled(grad_was)
+    region._recording = recording
+
+
+def realize(region: Region, h: Handle) -> torch.Tensor:
+    """Recompute ``h`` from the nearest kept values. See Note [Realize order]."""
+    if h.cache is not None:
+        return h.cache
+    nodes = region.nodes
+    state = region._pass
+    number = state.number
+    replay = _enter_replay(region)  # set up by hand: it runs once per unpack that recomputes
     try:
         if state.segment_limit > 0:
             _realize_bounded(region, h)
@@ -656,11 +680,7 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
                     if i.cache is None:
                         stack.append((i.node_index, False))
     finally:
-        settings.__exit__(None, None, None)
-        if autocast is not None:
-            autocast.__exit__(None, None, None)
-        _set_grad_enabled(grad_was)
-        region._recording = recording
+        _exit_replay(region, replay)
     return _realized(h)
 
 
@@ -708,15 +728,7 @@ def realize_again(region: Region, h: Handle) -> torch.Tensor:
     # id(handle) -> value of this call. No closures over it: a nested function that
     # calls itself is a reference cycle, which would keep the values until a gc pass.
     local: dict[int, torch.Tensor] = {}
-    recording = region._recording
-    region._recording = False
-    grad_was = torch.is_grad_enabled()
-    _set_grad_enabled(False)
-    autocast = _autocast_off() if _is_any_autocast_enabled() else None
-    if autocast is not None:
-        autocast.__enter__()
-    settings = _replay_globals(region)
-    settings.__enter__()
+    replay = _enter_replay(region)
     try:
         stack: list[tuple[int, bool]] = [(h.node_index, False)]
         while stack:
@@ -751,11 +763,7 @@ def realize_again(region: Region, h: Handle) -> torch.Tensor:
                 if o is not None:
                     local[id(o)] = v
     finally:
-        settings.__exit__(None, None, None)
-        if autocast is not None:
-            autocast.__exit__(None, None, None)
-        _set_grad_enabled(grad_was)
-        region._recording = recording
+        _exit_replay(region, replay)
     return local[id(h)]
 
 
