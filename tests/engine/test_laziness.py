@@ -472,3 +472,36 @@ def test_forward_runs_no_op_of_its_own_under_outer_modes(policy: str) -> None:
     with _OpLog() as logged, cg.save_recompute_policy(policy):
         program()
     assert logged.ops == plain.ops
+
+
+def test_memoized_flops_follow_shapes_and_arguments() -> None:
+    """See Note [Memoized FLOP formulas]: a repeated call reads the memo, and a call with
+    other shapes or other non-tensor arguments gets its own formula's answer."""
+    from torch.utils.flop_counter import flop_registry
+
+    from ckpt_graph.engine import decisions
+
+    aten = torch.ops.aten
+    decisions._FLOPS_MEMO.clear()
+    a, b = torch.randn(4, 8), torch.randn(8, 16)
+    first = decisions.estimate_flops(aten.mm.default, a @ b, (a, b), {})
+    assert first == 2 * 4 * 8 * 16 and len(decisions._FLOPS_MEMO) == 1
+    assert decisions.estimate_flops(aten.mm.default, a @ b, (a, b), {}) == first
+    assert len(decisions._FLOPS_MEMO) == 1  # the second call was a hit
+    c = torch.randn(8, 3)
+    assert decisions.estimate_flops(aten.mm.default, a @ c, (a, c), {}) == 2 * 4 * 8 * 3
+    x, w = torch.randn(1, 2, 9, 9), torch.randn(4, 2, 3, 3)
+    args = [x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1]
+    out = aten.convolution.default(*args)
+    formula = flop_registry[aten.convolution]
+    want = int(formula(*args, out_val=out))
+    assert decisions.estimate_flops(aten.convolution.default, out, tuple(args), {}) == want
+    strided = [x, w, None, [2, 2], [0, 0], [1, 1], False, [0, 0], 1]
+    out2 = aten.convolution.default(*strided)
+    got = decisions.estimate_flops(aten.convolution.default, out2, tuple(strided), {})
+    assert got == int(formula(*strided, out_val=out2)) != want
+    decisions._FLOPS_MEMO.clear()
+    for n in range(decisions._FLOPS_MEMO_SIZE + 5):  # bounded: cleared when full
+        m = torch.empty(1, n + 1)
+        decisions.estimate_flops(aten.mm.default, m.t() @ m, (m.t(), m), {})
+    assert len(decisions._FLOPS_MEMO) <= decisions._FLOPS_MEMO_SIZE
