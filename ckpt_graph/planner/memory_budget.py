@@ -532,7 +532,13 @@ class MemoryBudget:
             graph = seen.graph
             fraction = isinstance(self.budget, float)
             budget = int(self.budget * graph.baseline) if fraction else int(self.budget)
-            sol = solve(graph.g, graph.candidates, budget + graph.outside, hand=graph.hand)
+            sol = solve(
+                graph.g,
+                graph.candidates,
+                budget + graph.outside,
+                hand=graph.hand,
+                below_reach="total",
+            )
             if not sol.feasible:
                 warnings.warn(
                     f"ckpt_graph: memory_budget({self.budget!r}): no plan found within "
