@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import ckpt_graph as cg
+from ckpt_graph.engine.region import Region
 from ckpt_graph.planner.costs import from_region
 from ckpt_graph.policies import save_ops
 
@@ -28,7 +29,7 @@ def test_unsafe_view_shares_its_input_storage_and_costs_nothing() -> None:
     assert g.ops[j].cost == 0
 
 
-def _dropout_region(policy: object) -> object:
+def _dropout_region(policy: object) -> Region:
     torch.manual_seed(0)
     x = torch.randn(64, 64, requires_grad=True)
     with cg.save_recompute_policy(policy) as region:  # type: ignore[arg-type]
@@ -39,7 +40,7 @@ def _dropout_region(policy: object) -> object:
 
 def test_in_place_writes_to_a_kept_value_follow_the_plan_when_it_decides() -> None:
     region = _dropout_region(save_ops(aten.empty_like))
-    nodes = region.nodes  # type: ignore[attr-defined]
+    nodes = region.nodes
     names = [n.op.name() for n in nodes]
     writes = [
         j for j, n in enumerate(names) if n in ("aten::bernoulli_.float", "aten::div_.Scalar")
