@@ -90,12 +90,18 @@ class Workload:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention through ``F.scaled_dot_product_attention``."""
+    """Multi-head causal self-attention.
 
-    def __init__(self, width: int, heads: int, dropout: float) -> None:
+    ``eager=False`` runs ``F.scaled_dot_product_attention`` (one fused op); ``eager=True``
+    spells it out as GPT-2 does, ``dropout(softmax(mask(QK^T / sqrt(d)))) @ V``, so the T x T
+    scores, probabilities and dropout mask are separate tensors autograd keeps.
+    """
+
+    def __init__(self, width: int, heads: int, dropout: float, eager: bool = False) -> None:
         super().__init__()
         self.heads = heads
         self.dropout = dropout
+        self.eager = eager
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
 
@@ -104,17 +110,23 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if self.eager:
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // self.heads))
+            future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            probs = F.dropout(scores.masked_fill(future, float("-inf")).softmax(-1), p)
+            y = probs @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return F.dropout(self.proj(y.transpose(1, 2).reshape(b, t, c)), self.dropout, self.training)
 
 
 class DecoderBlock(nn.Module):
     """Pre-LN transformer block: ``h + attn(ln1(h))`` then ``h + mlp(ln2(h))``."""
 
-    def __init__(self, width: int, heads: int, dropout: float) -> None:
+    def __init__(self, width: int, heads: int, dropout: float, eager: bool = False) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(width)
-        self.attn = CausalSelfAttention(width, heads, dropout)
+        self.attn = CausalSelfAttention(width, heads, dropout, eager)
         self.ln2 = nn.LayerNorm(width)
         self.fc = nn.Linear(width, 4 * width)
         self.out = nn.Linear(4 * width, width)
@@ -127,16 +139,28 @@ class DecoderBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-style decoder: token + position embedding, pre-LN blocks, final LayerNorm, LM head."""
+    """GPT-style decoder: token + position embedding, pre-LN blocks, final LayerNorm, LM head.
+
+    ``eager_attention``: attention spelt out op by op (see :class:`CausalSelfAttention`).
+    """
 
     def __init__(
-        self, vocab: int, width: int, layers: int, heads: int, seq_len: int, dropout: float = 0.0
+        self,
+        vocab: int,
+        width: int,
+        layers: int,
+        heads: int,
+        seq_len: int,
+        dropout: float = 0.0,
+        eager_attention: bool = False,
     ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, width)
         self.pos = nn.Embedding(seq_len, width)
         self.dropout = dropout
-        self.blocks = nn.ModuleList(DecoderBlock(width, heads, dropout) for _ in range(layers))
+        self.blocks = nn.ModuleList(
+            DecoderBlock(width, heads, dropout, eager_attention) for _ in range(layers)
+        )
         self.ln_f = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
 
@@ -262,6 +286,8 @@ def build_workload(
     device: str | torch.device = "cpu",
     dropout: float = 0.0,
     seed: int = 0,
+    heads: int | None = None,
+    eager_attention: bool = False,
 ) -> Workload:
     """Build one embedded workload with random weights and a random batch.
 
@@ -272,6 +298,10 @@ def build_workload(
         dtype, device: where the model and batch live.
         dropout: dropout probability (GPT-style models only).
         seed: seed for weights and batch.
+        heads: attention heads of ``gpt`` (``None``: head size 64 where possible); must
+            divide ``width``.
+        eager_attention: ``gpt`` computes attention op by op (softmax of the T x T scores,
+            dropout on the probabilities) instead of one fused op.
 
     Raises:
         WorkloadError: unknown model, nonsensical size, or ``transformers`` missing for ``hf-*``.
@@ -296,7 +326,11 @@ def build_workload(
     torch.manual_seed(seed)
     if name == "gpt":
         vocab = 1024
-        model: nn.Module = GPT(vocab, width, layers, _heads(width), seq_len, dropout)
+        if heads is None:
+            heads = _heads(width)
+        if heads < 1 or width % heads:
+            raise WorkloadError(f"heads must divide width {width}, got {heads}")
+        model: nn.Module = GPT(vocab, width, layers, heads, seq_len, dropout, eager_attention)
         idx = torch.randint(0, vocab, (batch, seq_len), generator=gen)
         tgt = torch.randint(0, vocab, (batch, seq_len), generator=gen)
         model = model.to(device=device, dtype=dtype)

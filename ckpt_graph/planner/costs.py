@@ -18,6 +18,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ckpt_graph.engine import realize
+from ckpt_graph.engine.graph import INPLACE_ON_KEPT, UNANNOTATED_ALIASES
 from ckpt_graph.planner.workspaces import _ZERO, Workspace
 
 if TYPE_CHECKING:
@@ -25,6 +26,27 @@ if TYPE_CHECKING:
     from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue
 
 __all__ = ["from_region", "grad_bytes", "kept_ops_of", "workspace_of"]
+
+# Note [Unannotated aliases]
+# ``_unsafe_view`` (what ``matmul`` and ``linear`` on 3-d inputs return: ``bmm`` / ``mm``
+# reshaped), ``unsafe_split`` and ``unsafe_chunk`` return aliases of their first input that
+# the engine does not mark as views (each output has a version counter of its own; see
+# ``engine.graph.UNANNOTATED_ALIASES``). Their outputs share the input's storage here, as
+# they do in memory, and cost nothing to run again. Before, each was a candidate with a
+# storage of its own and a recompute cost of its bytes moved: keeping a ``bmm`` output and
+# its reshape counted the bytes twice, and recomputing the reshape from a kept ``bmm`` cost
+# as much as a copy. On the 8-layer eager-attention GPT of ``benchmarks/bench_anchor.py``
+# 48 of the 263 candidates were such reshapes, and the plan at 30% kept 24 of them.
+
+# Note [In-place writes to kept values]
+# When an op writes in place to a kept value nothing else used (dropout on CPU:
+# ``empty_like``, then ``bernoulli_`` and ``div_`` on it), the engine keeps the new version
+# (``INPLACE_ON_KEPT``) in the same storage. Whether that happens follows from whether the
+# plan keeps the written value, so such a value is fixed only when the op owning its
+# storage is not the plan's to decide. Before, a first step whose heuristic kept a
+# dropout's ``empty_like`` fixed its mask for every later plan: on an 8-layer
+# eager-attention GPT, 4 attention dropout masks (T x T, float) that no plan could drop,
+# 12% of the activation memory.
 
 
 def grad_bytes(
@@ -142,23 +164,29 @@ def from_region(
         ins = tuple(vid[id(i)] for i in node.inputs if id(i) in vid)
         outs: list[int] = []
         info = node.info
+        alias = bool(ins) and node.op in UNANNOTATED_ALIASES  # See Note [Unannotated aliases]
         for out in node.outputs:
             if out is None:
                 continue
             v = len(values)
             vid[id(out)] = v
             root = v
-            if (ins and out.is_view and not info.returns_written) or (
-                ins and info.returns_written and id(node.inputs[0]) not in used
+            if (
+                (ins and out.is_view and not info.returns_written)
+                or (ins and info.returns_written and id(node.inputs[0]) not in used)
+                or alias
             ):
                 root = values[ins[0]].storage
             values.append(SimValue(out.nbytes, node.index, root, out.is_view))
             floating.append(out.dtype.is_floating_point and root == v)
             outs.append(v)
-            if out.kept and (node.index not in free or (out.reason or "").startswith("engine")):
+            decided = node.index not in free or (out.reason or "").startswith("engine")
+            if out.reason == INPLACE_ON_KEPT and root != v and values[root].producer in free:
+                decided = False  # See Note [In-place writes to kept values]
+            if out.kept and decided:
                 fixed.add(v)
-        if all(o is None or o.is_view for o in node.outputs):
-            cost = 0  # views compute nothing
+        if alias or all(o is None or o.is_view for o in node.outputs):
+            cost = 0  # views and aliases compute nothing
         elif costs is not None and node.index in costs:
             cost = costs[node.index]
         else:

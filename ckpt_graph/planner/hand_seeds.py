@@ -8,6 +8,15 @@
 # cheapest fitting one also starts a local search. The hand plans, as sets of kept ops:
 #   - ``matmuls``: every matmul-class op (mm, addmm, bmm, baddbmm, convolution, attention):
 #     JAX's ``dots_saveable``, torch SAC saving matmuls.
+#   - ``dense matmuls/<r>``: the matmul-class ops whose recompute costs at least r FLOPs per
+#     byte of their own outputs, for each distinct r of the region's matmuls (at most
+#     ``_DENSITY_SEEDS`` of them, spread over the sorted values): Megatron's selective
+#     recompute, generalised. In attention spelt out op by op, QK^T costs 2 x head size
+#     FLOPs per score and holds a T x T tensor, while a linear layer costs 2 x its input
+#     width per output: dropping the matmuls below r recomputes the attention core (QK^T,
+#     then softmax and dropout, which no matmul seed keeps) from the kept Q, K, V, as
+#     Megatron does, and keeps the projections and the MLP. No model-specific threshold:
+#     every distinct density is a seed, and the solver simulates each.
 #   - with *blocks* (below): ``block inputs``, every block's inputs (torch.utils.checkpoint
 #     per block); ``blocks/k`` for k = 1..N, the outputs of blocks k-1, 2k-1, ... and of the
 #     last block plus the first block's inputs (checkpoint over groups of k blocks, Chen et
@@ -37,6 +46,9 @@ from ckpt_graph.planner.liveness import SimGraph
 from ckpt_graph.policies.builtins import MATMUL_OP_NAMES
 
 __all__ = ["MATMUL_OPS", "block_ids", "hand_seeds"]
+
+# At most this many ``dense matmuls/<r>`` seeds (Note [Hand seeds]).
+_DENSITY_SEEDS = 8
 
 #: Short aten names of matmul-class ops (costed by FLOPs, kept by the ``matmuls`` seed): the
 #: ops ``policies.save_matmuls`` keeps, so the seed is that policy's plan.
@@ -76,6 +88,27 @@ def block_ids(paths: Sequence[str]) -> list[int]:
     return [kids[k[1]] if k is not None and k[0] == container else -1 for k in keys]
 
 
+def _dense_matmuls(g: SimGraph, matmuls: frozenset[int]) -> dict[str, frozenset[int]]:
+    """``dense matmuls/<r>`` plans of Note [Hand seeds]: matmuls of >= r FLOPs per byte."""
+    values = g.values
+    density: dict[int, float] = {}
+    for j in matmuls:
+        nbytes = sum(
+            values[o].nbytes
+            for o in g.ops[j].outputs
+            if values[o].storage == o and o not in g.fixed
+        )
+        if nbytes > 0:
+            density[j] = g.ops[j].cost / nbytes
+    levels = sorted(set(density.values()))[1:]  # the lowest keeps every matmul: "matmuls"
+    if len(levels) > _DENSITY_SEEDS:
+        step = (len(levels) - 1) / (_DENSITY_SEEDS - 1)
+        levels = [levels[round(i * step)] for i in range(_DENSITY_SEEDS)]
+    return {
+        f"dense matmuls/{r:.3g}": frozenset(j for j, d in density.items() if d >= r) for r in levels
+    }
+
+
 def hand_seeds(
     g: SimGraph, candidates: Sequence[int], blocks: Sequence[int] | None = None
 ) -> dict[str, frozenset[int]]:
@@ -102,6 +135,7 @@ def hand_seeds(
     matmuls = frozenset(j for j in cands if short_name(ops[j].name) in MATMUL_OPS)
     if matmuls:
         seeds["matmuls"] = matmuls
+        seeds.update(_dense_matmuls(g, matmuls))
     if blocks is None or len(blocks) != len(ops) or max(blocks, default=-1) < 1:
         return seeds
     n_blocks = max(blocks) + 1

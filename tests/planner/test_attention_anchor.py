@@ -1,0 +1,125 @@
+"""memory_budget against Megatron's selective recompute where attention scores dominate.
+
+See ``benchmarks/bench_anchor.py`` for the full-size measurement and Note [Hand seeds] for
+the ``dense matmuls`` seeds that make Megatron's plan one of the solver's starting points.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import ckpt_graph as cg
+from ckpt_graph.compare.zoo import Workload, build_workload
+from ckpt_graph.memory import measure
+from ckpt_graph.planner.costs import from_region, kept_ops_of
+from ckpt_graph.planner.hand_seeds import hand_seeds, short_name
+from ckpt_graph.planner.liveness import simulate
+from ckpt_graph.planner.seeds import candidate_ops
+from ckpt_graph.policies import memory_budget, save_ops
+
+aten = torch.ops.aten
+
+
+def _workload() -> Workload:
+    # head size 8, sequence half the width: the T x T scores, probabilities and dropout
+    # masks are about 2/3 of the activations
+    return build_workload(
+        "gpt",
+        layers=3,
+        width=128,
+        heads=16,
+        batch=4,
+        seq_len=64,
+        dropout=0.1,
+        eager_attention=True,
+    )
+
+
+def _step(w: Workload, forward: Callable[[], object]) -> list[torch.Tensor]:
+    for p in w.model.parameters():
+        p.grad = None
+    torch.manual_seed(1)  # the same dropout masks in every run
+    w.loss(forward()).backward()
+    return [p.grad.clone() for p in w.model.parameters() if p.grad is not None]
+
+
+def _flops(w: Workload, forward: Callable[[], object]) -> int:
+    counter = FlopCounterMode(display=False)
+    with counter:
+        _step(w, forward)
+    return int(counter.get_total_flops())
+
+
+def test_megatrons_plan_is_a_hand_seed() -> None:
+    w = _workload()
+    flops: dict[int, int] = {}
+
+    def record_flops(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> None:
+        flops[ctx.op_index] = ctx.flops  # matmul-class ops cost their FLOPs in the planner
+
+    with cg.save_recompute_policy(record_flops) as region:
+        out = w.model(*w.inputs)
+    w.loss(out).backward()
+    g = from_region(region, flops, range(len(region.nodes)))
+    cands = candidate_ops(g)
+    names = {j: short_name(g.ops[j].name) for j in cands}
+    linear = frozenset(j for j in cands if names[j] in ("addmm", "mm"))
+    assert len(linear) == 4 * 3  # qkv, proj, fc, out per layer (the LM head.s output: unsaved)
+    seeds = hand_seeds(g, cands)
+    dense = {k: v for k, v in seeds.items() if k.startswith("dense matmuls/")}
+    assert linear in dense.values(), {k: sorted(names[j] for j in v) for k, v in dense.items()}
+    assert any(names[j] == "bmm" for j in seeds["matmuls"])
+
+
+@pytest.mark.slow
+def test_budget_at_megatrons_peak_recomputes_no_more_flops_than_megatron() -> None:
+    w = _workload()
+    regions: list[object] = []
+
+    def region_forward(policy: object) -> Callable[[], object]:
+        def forward() -> object:
+            with cg.save_recompute_policy(policy) as region:  # type: ignore[arg-type]
+                regions.append(region)
+                return w.model(*w.inputs)
+
+        return forward
+
+    def plain() -> object:
+        return w.model(*w.inputs)
+
+    megatron = region_forward(save_ops(aten.addmm, aten.mm))  # keep the linear layers
+    reference = _step(w, plain)
+    base_flops = _flops(w, plain)
+    _step(w, megatron)
+    mega_region = regions[-1]
+    mega_peak = measure(functools.partial(_step, w, megatron)).peak_bytes
+    none_peak = measure(functools.partial(_step, w, plain)).peak_bytes
+    mega_flops = _flops(w, megatron) - base_flops
+    # The budget bounds the activation peak the planner simulates, gradients aside: start at
+    # the one it gives Megatron's plan and lower it until the measured step peak is at most
+    # Megatron's (as bench_pareto bisects, in steps of 1/8).
+    g = from_region(mega_region)  # type: ignore[arg-type]
+    mega_budget = simulate(g, kept_ops_of(mega_region)).peak_bytes  # type: ignore[arg-type]
+    for k in range(8, 3, -1):
+        policy = memory_budget(mega_budget * k // 8, flops_per_byte=1.0)
+        planned = region_forward(policy)
+        _step(w, planned)  # the first step records the graph and plans
+        plan_peak = measure(functools.partial(_step, w, planned)).peak_bytes
+        if plan_peak <= mega_peak:
+            break
+    report = policy.report()
+    assert report is not None and report.feasible
+    grads = _step(w, planned)
+    for got, want in zip(grads, reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    plan_flops = _flops(w, planned) - base_flops
+    assert mega_peak < 0.6 * none_peak  # the scores dominate: Megatron's plan saves a lot
+    assert mega_flops > 0
+    assert plan_peak <= mega_peak, (plan_peak, mega_peak)
+    assert plan_flops <= mega_flops, (plan_flops, mega_flops, report.method)
