@@ -1,6 +1,6 @@
 """memory_budget with changing shapes: plans apply across sizes (issue 14 item 14).
 
-See Note [Plans across sizes] in ckpt_graph/policies/_budget.py. The step-time ratio is
+See Note [Plans across sizes] in ckpt_graph/planner/budget_sizes.py. The step-time ratio is
 measured in benchmarks/bench_budget_shapes.py, not here.
 """
 

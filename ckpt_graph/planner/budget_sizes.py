@@ -1,0 +1,93 @@
+"""Plans applied across sizes: matching a region to a plan by op structure.
+
+# Note [Plans across sizes]
+# Variable-length batches change every shape of a step but not its ops. Planning such a
+# step from scratch costs tens of planned steps (graph, simulator, solver), so a plan is
+# applied across sizes:
+# 1. Matching. Op by op, a plan matches when the op name, the number of outputs and each
+#    output's number of dimensions are the plan's at that position (the *structure*); the
+#    sizes themselves are not compared, nor required to map consistently (the ops already
+#    fix which value feeds which). Among the plans matching the structure, one whose sizes
+#    are also equal so far is preferred (an exact match, as before).
+# 2. Fractions. With a fraction, the budget scales with the step's activation bytes, and
+#    so does the peak of the same kept set when the sizes scale together (batch, sequence
+#    length of pointwise and matmul ops); so the plan is applied as it is, with no warning
+#    and no new plan. ``report()`` then gives the plan's byte figures scaled by the ratio of
+#    the region's activation bytes (rule 1) to the planned region's (``reuses`` counts it).
+#    Terms that grow faster than the rest (attention scores with the sequence length) make
+#    this an approximation: tests/planner/test_budget_shapes.py measures it.
+# 3. Bytes. With an int budget, a kept set planned at some sizes fits at sizes no larger:
+#    every value is no larger, so no simulated peak is. At each position the elements of
+#    the outputs so far are compared with the plan's; once they exceed the plan's, the rest
+#    of the region is decided by the heuristic and its step planned again (no warning: the
+#    graph did not change), for the larger sizes. So a run plans once per new largest size,
+#    not once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ckpt_graph.planner.solve import PlanReport
+from ckpt_graph.planner.step_budget import Plan, Signature, numel
+
+if TYPE_CHECKING:
+    from ckpt_graph.planner.budget_heuristic import Run
+
+__all__ = ["match", "op_shapes", "scaled", "structure"]
+
+
+def match(run: Run, pos: int, sig: Signature, fraction: bool) -> bool | None:
+    """The answer of the plan matching the region so far, or ``None`` (the heuristic
+    decides from here). See Note [Plans across sizes]."""
+    run.elements += numel(sig[1])
+    if run.exact:
+        run.exact = [p for p in run.exact if pos < len(p.signature) and p.signature[pos] == sig]
+    shape = structure(sig)
+    run.plans = [
+        p
+        for p in run.plans
+        if pos < len(p.signature)
+        and (p.signature[pos] == sig or structure(p.signature[pos]) == shape)
+    ]
+    if run.exact:
+        return pos in run.exact[0].kept
+    if not run.plans:
+        return None
+    plan = run.plans[0]
+    if not fraction and run.elements > plan.elements[pos]:
+        run.grown = True  # larger than planned: an int budget needs a new plan
+        return None
+    return pos in plan.kept
+
+
+def scaled(plan: Plan, run: Run, fraction: bool) -> PlanReport:
+    """``plan``'s report with its byte figures scaled to the sizes of ``run``."""
+    r = plan.report
+    ratio = run.saved_bytes / max(r.baseline_bytes, 1)
+    return replace(
+        r,
+        budget_bytes=int(r.budget_bytes * ratio) if fraction else r.budget_bytes,
+        baseline_bytes=int(r.baseline_bytes * ratio),
+        kept=tuple(replace(k, nbytes=int(k.nbytes * ratio)) for k in r.kept),
+        predicted_peak_bytes=int(r.predicted_peak_bytes * ratio),
+        predicted_total_peak_bytes=int(r.predicted_total_peak_bytes * ratio),
+        predicted_recompute_flops=int(r.predicted_recompute_flops * ratio),
+    )
+
+
+def op_shapes(out: Any) -> tuple[tuple[int, ...], ...]:
+    """The shape of each output of an op (``()`` for a non-tensor output)."""
+    if isinstance(out, torch.Tensor):
+        return (tuple(out.shape),)
+    if isinstance(out, (tuple, list)):
+        return tuple(tuple(o.shape) if isinstance(o, torch.Tensor) else () for o in out)
+    return ()
+
+
+def structure(sig: Signature) -> tuple[str, tuple[int, ...]]:
+    """Op name and the number of dimensions of each output. See Note [Plans across sizes]."""
+    return sig[0], tuple(len(s) for s in sig[1])
