@@ -5,12 +5,13 @@ budget) with batches whose sequence length changes every step. Reported: the med
 with shapes seen before (a planned step), the median time of steps whose shapes were never
 seen before, their ratio and the worst ratio. A step's time includes the planning it causes
 (``policy.report()`` at its end plans it, instead of the next step's start). With an int
-budget, an unseen size above the planned one (56 here) is planned again: see Note [Plans
-across sizes] in ``ckpt_graph/planner/budget_sizes.py``. "plans made" counts the regions
-recorded for a new plan.
+budget, an unseen size above the planned one (56 here) is planned again, starting from the
+smaller size's plan: see Note [Plans across sizes] and Note [Warm start at a new size] in
+``ckpt_graph/planner/budget_sizes.py``. "plans made" counts the regions recorded for a new
+plan.
 
-Measured (2-core shared machine, one thread): fractions 0.8-1.4x; the int budget's step at a
-new largest size 20.8x a planned step (a plan from scratch).
+Measured (2-core shared machine, one thread): fractions 0.9-1.3x; the int budget's step at a
+new largest size 2.1x a planned step (before the warm start: 20.8x, a plan from scratch).
 
 Run: ``python benchmarks/bench_budget_shapes.py`` (about 10 s on one core).
 """

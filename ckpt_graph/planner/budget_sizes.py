@@ -21,7 +21,28 @@
 #    the outputs so far are compared with the plan's; once they exceed the plan's, the rest
 #    of the region is decided by the heuristic and its step planned again (no warning: the
 #    graph did not change), for the larger sizes. So a run plans once per new largest size,
-#    not once per step.
+#    not once per step, and that plan starts from the old one (Note [Warm start at a new
+#    size]).
+#
+# Note [Warm start at a new size]
+# Planning a step at a new largest size from scratch (int budget, rule 3 of Note [Plans
+# across sizes]) cost about 20x a planned step (benchmarks/bench_budget_shapes.py: the
+# solver's seeds and local search simulate the larger graph hundreds of times). The step
+# has the ops of a planned one, only larger, so its plan starts from that one:
+# 1. After growing past the plan, the region keeps following the plans' structure op by
+#    op (``follow``); a plan that matches to the end becomes its graph's ``warm`` start.
+#    (A structure that differs still warns, as rule 3 of Note [Memory budget policy].)
+# 2. One region: the plan's kept positions, mapped to the new graph's ops, start
+#    ``solve_from``: simulated at the new sizes; if the peak no longer fits (values grew,
+#    the budget did not), the greedy descent drops the cheapest kept ops per byte until it
+#    does; then local search within ``_WARM_EVALS`` evaluations. The full solver runs only
+#    when nothing reachable from the warm start fits.
+# 3. Several regions: the menu of a graph with a warm start is the warm plan's graph's menu
+#    (plus keeping nothing and keeping every candidate), mapped and simulated once each at
+#    the new sizes, with no solver; each entry's figures are exact there. If the DP finds no
+#    choice within the budget with such menus, they are rebuilt by the solver as before.
+# 4. So the plan meets the budget as a fresh one does (its peak is simulated at the new
+#    sizes); it may recompute more than a fresh plan would (fewer searches).
 """
 
 from __future__ import annotations
@@ -31,13 +52,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ckpt_graph.planner.liveness import simulate
 from ckpt_graph.planner.solve import PlanReport
-from ckpt_graph.planner.step_budget import Plan, Signature, numel
+from ckpt_graph.planner.step_budget import Option, Plan, RegionGraph, Signature, numel, undominated
 
 if TYPE_CHECKING:
     from ckpt_graph.planner.budget_heuristic import Run
 
-__all__ = ["match", "op_shapes", "scaled", "structure"]
+__all__ = ["follow", "match", "op_shapes", "scaled", "structure", "warm_kept", "warm_menu"]
 
 
 def match(run: Run, pos: int, sig: Signature, fraction: bool) -> bool | None:
@@ -91,3 +113,51 @@ def op_shapes(out: Any) -> tuple[tuple[int, ...], ...]:
 def structure(sig: Signature) -> tuple[str, tuple[int, ...]]:
     """Op name and the number of dimensions of each output. See Note [Plans across sizes]."""
     return sig[0], tuple(len(s) for s in sig[1])
+
+
+def follow(run: Run, pos: int, sig: Signature) -> None:
+    """Keep the plans whose structure matches the region so far, after it grew past them.
+
+    See Note [Warm start at a new size] rule 1.
+    """
+    shape = structure(sig)
+    run.plans = [
+        p for p in run.plans if pos < len(p.signature) and structure(p.signature[pos]) == shape
+    ]
+
+
+def warm_kept(kept: frozenset[int], graph: RegionGraph) -> frozenset[int]:
+    """Kept signature positions of a plan as op indices of ``graph`` (same ops, other sizes).
+
+    Positions that are not candidates of ``graph`` (decided otherwise there) are dropped.
+    """
+    back = {pos: j for j, pos in graph.positions.items()}
+    return frozenset(back[pos] for pos in kept if pos in back)
+
+
+def warm_menu(graph: RegionGraph) -> list[Option]:
+    """The menu of ``graph`` from its warm start's, simulated at its sizes.
+
+    See Note [Warm start at a new size] rule 3.
+    """
+    if graph.menu is not None:
+        return graph.menu
+    plan = graph.warm
+    assert plan is not None and plan.graph is not None
+    old = plan.graph
+    starts = [plan.kept]
+    for o in old.menu or []:
+        starts.append(frozenset(old.positions[j] for j in o.kept_ops if j in old.positions))
+    g, cands = graph.g, graph.candidates
+    options = [
+        Option(frozenset(), simulate(g, []), "none"),
+        Option(frozenset(cands), simulate(g, cands), "all"),
+    ]
+    seen = {frozenset[int](), frozenset(cands)}
+    for kept_pos in starts:
+        kept = warm_kept(kept_pos, graph)
+        if kept not in seen:
+            seen.add(kept)
+            options.append(Option(kept, simulate(g, kept), "warm start"))
+    graph.menu = undominated(options)
+    return graph.menu

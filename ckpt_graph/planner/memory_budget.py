@@ -74,11 +74,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphValueError
 from ckpt_graph.planner.budget_heuristic import Run, count_saved, heuristic, tensors
-from ckpt_graph.planner.budget_sizes import match, op_shapes, scaled
+from ckpt_graph.planner.budget_sizes import follow, match, op_shapes, scaled, warm_kept, warm_menu
 from ckpt_graph.planner.cost_model import calibrated_flops_per_byte, op_cost, parse_budget
 from ckpt_graph.planner.hand_seeds import block_ids, hand_seeds
 from ckpt_graph.planner.liveness import from_region, simulate
-from ckpt_graph.planner.solve import KeptTensor, PlanReport, candidate_ops, solve
+from ckpt_graph.planner.solve import KeptTensor, PlanReport, candidate_ops, solve, solve_from
 from ckpt_graph.planner.step_budget import (
     Option,
     Plan,
@@ -98,6 +98,7 @@ if TYPE_CHECKING:
 __all__ = ["KeptTensor", "MemoryBudget", "PlanReport", "StepPlan", "memory_budget"]
 
 _DETACH = "aten.detach.default"
+_WARM_EVALS = 40  # local search of a warm start (Note [Warm start at a new size])
 
 
 class MemoryBudget:
@@ -183,8 +184,9 @@ class MemoryBudget:
             assert plan.graph is not None
             self._seen.append(Seen(run.ordinal, plan.graph, inputs))
             return
+        warm = [p for p in run.plans if len(p.signature) == n] if run.grown else []
         old = self._plans.get(run.ordinal)
-        if old is not None and not self._warned and not run.grown:
+        if old is not None and not self._warned and not warm:
             self._warned = True
             at = run.diverged_at if run.diverged_at >= 0 else len(region.nodes)
             warnings.warn(
@@ -196,6 +198,8 @@ class MemoryBudget:
             )
         graph = self._graph(region, run)
         graph = self._graphs.setdefault(graph.signature, graph)
+        if warm and warm[0].graph is not None and graph.menu is None:
+            graph.warm = warm[0]  # See Note [Warm start at a new size].
         self._seen.append(Seen(run.ordinal, graph, inputs))
         self._dirty = True
 
@@ -223,7 +227,9 @@ class MemoryBudget:
         run.signature.append(sig)
         run.positions[ctx.op_index] = pos
         keep: bool | None = None
-        if not run.heuristic and run.plans:
+        if run.grown:
+            follow(run, pos, sig)
+        elif not run.heuristic and run.plans:
             keep = match(run, pos, sig, isinstance(self.budget, float))
             if keep is None:
                 run.heuristic = True
@@ -283,7 +289,13 @@ class MemoryBudget:
             graph = seen.graph
             fraction = isinstance(self.budget, float)
             budget = int(self.budget * graph.baseline) if fraction else int(self.budget)
-            sol = solve(graph.g, graph.candidates, budget + graph.outside, hand=graph.hand)
+            sol = None
+            if graph.warm is not None:  # See Note [Warm start at a new size].
+                start = warm_kept(graph.warm.kept, graph)
+                limit = budget + graph.outside
+                sol = solve_from(graph.g, graph.candidates, limit, start, max_evals=_WARM_EVALS)
+            if sol is None:
+                sol = solve(graph.g, graph.candidates, budget + graph.outside, hand=graph.hand)
             if not sol.feasible:
                 warnings.warn(
                     f"ckpt_graph: memory_budget({self.budget!r}): no plan found within "
@@ -306,9 +318,15 @@ class MemoryBudget:
         outside = sum(s.graph.outside for s in seen)
         fraction = isinstance(self.budget, float)
         budget = int(self.budget * baseline) if fraction else int(self.budget)
-        menus = [menu(s.graph) for s in seen]
+        menus = [warm_menu(s.graph) if s.graph.warm else menu(s.graph) for s in seen]
         limit = budget + outside
         choice = choose(seen, menus, limit)
+        if choice is None and any(s.graph.warm for s in seen):
+            for s in seen:  # See Note [Warm start at a new size].
+                if s.graph.warm is not None:
+                    s.graph.warm = s.graph.menu = None
+            menus = [menu(s.graph) for s in seen]
+            choice = choose(seen, menus, limit)
         while choice is None:  # nothing fits: raise the budget until a plan does
             limit = int(limit * 1.05) + 1
             choice = choose(seen, menus, limit)

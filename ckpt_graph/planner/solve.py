@@ -89,6 +89,7 @@ __all__ = [
     "brute_force",
     "candidate_ops",
     "solve",
+    "solve_from",
 ]
 
 #: Starting points of the local search (see Note [Memory budget planning]).
@@ -276,6 +277,44 @@ def solve(
         plans, key=lambda t: (t[0].recompute_cost, order.get(t[2], len(order)))
     )
     return Solution(frozenset(best_kept), best, True, name)
+
+
+def solve_from(
+    g: SimGraph,
+    candidates: Sequence[int],
+    budget: int,
+    start: Iterable[int],
+    *,
+    max_evals: int,
+) -> Solution | None:
+    """Plan from ``start``, a plan of the same ops at other sizes; ``None`` if none fits.
+
+    The warm start of Note [Warm start at a new size]: no seeds, only the greedy descent
+    of step 2 of Note [Memory budget planning] from ``start`` (when it does not fit) and the
+    local search of step 6 within ``max_evals`` evaluations in all (its first pass, which
+    tries dropping each kept op once, always runs).
+
+    Args:
+        g: the region's graph.
+        candidates: ops the plan may keep.
+        budget: bytes the simulated activation peak of backward may reach.
+        start: kept ops to start from (those not in ``candidates`` are ignored).
+        max_evals: simulations and marginal-cost sweeps the search may spend.
+
+    Example:
+        >>> sol = solve_from(graph, candidates, budget, old_kept, max_evals=40)  # doctest: +SKIP
+        >>> sol is None or sol.result.peak_bytes <= budget  # doctest: +SKIP
+        True
+    """
+    search = _Search(g, budget, max_evals)
+    kept = set(start) & set(candidates)
+    r = search.sim(kept)
+    if r.peak_bytes > budget:
+        r, kept = search.descend(kept)
+        if r.peak_bytes > budget:
+            return None
+    best, best_kept = search.improve(candidates, r, kept)
+    return Solution(frozenset(best_kept), best, True, "warm start")
 
 
 def _starts(

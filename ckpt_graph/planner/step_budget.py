@@ -54,6 +54,7 @@ __all__ = [
     "make_plan",
     "menu",
     "numel",
+    "undominated",
 ]
 
 _MENU = 4  # solver budgets per distinct region graph (Note [Step budget across regions])
@@ -84,6 +85,8 @@ class RegionGraph:
     outside: int
     hand: dict[str, frozenset[int]] = field(default_factory=dict)  # Note [Hand seeds]
     menu: list[Option] | None = None
+    # the plan of the same ops at smaller sizes to start from (Note [Warm start at a new size])
+    warm: Plan | None = None
 
 
 @dataclass(eq=False)  # by identity: regions of identical layers share one
@@ -176,7 +179,13 @@ def menu(graph: RegionGraph) -> list[Option]:
         sol = solve(g, cands, lo + (hi - lo) * i // _MENU, max_evals=_MENU_EVALS, hand=graph.hand)
         if sol.feasible:
             options.append(Option(sol.kept_ops, sol.result, sol.method))
-    # drop dominated entries: no lower peak, kept bytes or cost than another
+    graph.menu = undominated(options)
+    return graph.menu
+
+
+def undominated(options: list[Option]) -> list[Option]:
+    """``options`` without the dominated ones (no lower peak, kept bytes or cost than
+    another), cheapest first."""
     entries: list[Option] = []
     for o in sorted(options, key=lambda o: (o.result.recompute_cost, o.result.peak_bytes)):
         r = o.result
@@ -185,7 +194,6 @@ def menu(graph: RegionGraph) -> list[Option]:
             for m in entries
         ):
             entries.append(o)
-    graph.menu = entries
     return entries
 
 

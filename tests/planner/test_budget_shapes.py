@@ -7,7 +7,9 @@ measured in benchmarks/bench_budget_shapes.py, not here.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +17,8 @@ import torch
 import ckpt_graph as cg
 from ckpt_graph.compare.zoo import GPT
 from ckpt_graph.memory import measure
+from ckpt_graph.planner import memory_budget as memory_budget_module
+from ckpt_graph.planner import step_budget
 from ckpt_graph.planner.liveness import from_region, kept_ops_of, simulate
 from ckpt_graph.planner.memory_budget import MemoryBudget, memory_budget
 
@@ -133,3 +137,104 @@ def test_a_structural_change_still_warns_and_plans_again(plans_made: list[int]) 
     with pytest.warns(UserWarning, match="differs from the planned one"):
         step(batch(4, 16), policy)
     assert len(plans_made) == 2
+
+
+@pytest.fixture
+def solver_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Counts the policy's full solver runs (``solve``) and warm starts (``solve_from``)."""
+    calls: Counter[str] = Counter()
+
+    def counting(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    for module in (memory_budget_module, step_budget):
+        monkeypatch.setattr(module, "solve", counting("solve", module.solve))
+    monkeypatch.setattr(
+        memory_budget_module, "solve_from", counting("solve_from", memory_budget_module.solve_from)
+    )
+    return calls
+
+
+def test_int_budget_at_a_new_largest_size_starts_from_the_smaller_plan(
+    solver_calls: Counter[str],
+) -> None:
+    # Before: each new largest size was planned from scratch (about 20x a planned step in
+    # benchmarks/bench_budget_shapes.py); see Note [Warm start at a new size].
+    step = Step(model())
+    budget = 250_000
+    policy = memory_budget(budget, flops_per_byte=2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(batch(4, 16), policy)
+    assert policy.report() is not None
+    assert solver_calls == {"solve": 1}
+    warm = 0
+    for b, s in [(4, 24), (5, 24), (6, 24)]:  # each larger than every size before
+        x = batch(b, s)
+        plain = measure(step, x, None).peak_bytes
+        expected = step.grads()
+        for planned in (False, True):  # the step that grows, then the one with its plan
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # same ops, other sizes: no warning
+                peak = measure(step, x, policy).peak_bytes
+            torch.testing.assert_close(step.grads(), expected, rtol=0, atol=0)
+            if not planned:
+                report = policy.report()  # plans the step that grew
+                warm += 1
+                assert solver_calls == {"solve": 1, "solve_from": warm}, (b, s, report)
+                assert report is not None and report.method == "warm start"
+                assert report.feasible and report.predicted_peak_bytes <= budget
+        assert step.region is not None
+        g = from_region(step.region)
+        assert simulate(g, kept_ops_of(step.region)).peak_bytes <= budget
+        others = plain - g.saved_bytes()  # measured; see test_budget.py
+        assert peak - others <= 1.03 * budget, (b, s, peak - others)
+
+
+def test_per_block_regions_at_a_new_largest_size_reuse_the_smaller_menus(
+    solver_calls: Counter[str],
+) -> None:
+    gpt = model()
+    budget = 300_000  # for the step's LAYERS regions together
+    policy = memory_budget(budget, flops_per_byte=2.0)
+
+    def blocks_step(x: torch.Tensor, policy: MemoryBudget | None) -> None:
+        for p in gpt.parameters():
+            p.grad.zero_()  # type: ignore[union-attr]
+        h = gpt.tok(x) + gpt.pos(torch.arange(x.shape[1]))
+        for block in gpt.blocks:
+            if policy is None:
+                h = block(h)
+            else:
+                with cg.save_recompute_policy(policy):
+                    h = block(h)
+        gpt.head(gpt.ln_f(h)).pow(2).mean().backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        blocks_step(batch(4, 16), policy)
+    first = policy.step_report()
+    assert first is not None and first.regions == LAYERS and first.feasible
+    solves = solver_calls["solve"]
+    assert solves > 0
+    for b, s in [(4, 24), (6, 24)]:
+        x = batch(b, s)
+        plain = measure(blocks_step, x, None).peak_bytes
+        expected = [p.grad.clone() for p in gpt.parameters()]  # type: ignore[union-attr]
+        for _ in range(2):  # the step that grows, then the one with its plan
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                peak = measure(blocks_step, x, policy).peak_bytes
+            grads = [p.grad for p in gpt.parameters()]
+            torch.testing.assert_close(grads, expected, rtol=0, atol=0)
+            report = policy.step_report()  # plans the step that grew (warm menus)
+            assert report is not None and report.feasible
+            assert report.predicted_peak_bytes <= budget
+        assert solver_calls["solve"] == solves, (b, s)  # no menu built by the solver again
+        assert report.baseline_bytes > first.baseline_bytes  # planned at the new size
+        others = plain - report.baseline_bytes  # measured: 0.94-0.96x the budget
+        assert peak - others <= 1.03 * budget, (b, s, peak - others)
