@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from ckpt_graph.planner.liveness import SimGraph, SimResult, simulate
 
-__all__ = ["SIM_GUIDED", "Search"]
+__all__ = ["SIM_GUIDED", "Refinement", "Search"]
 
 # Up to this many kept ops, repairs pick each drop by simulating every choice.
 SIM_GUIDED = 48
@@ -58,13 +58,19 @@ def _own_bytes(g: SimGraph, op: int) -> int:
 class Search:
     """Simulator-verified moves on plans, with an evaluation limit and a simulation cache."""
 
-    def __init__(self, g: SimGraph, budget: int, max_evals: int) -> None:
+    def __init__(
+        self, g: SimGraph, budget: int, max_evals: int, *, cache_marginals: bool = False
+    ) -> None:
         self.g = g
         self.budget = budget
         self.limit = max_evals
         self.evals = 0
         self.extra = 0
         self._cache: dict[frozenset[int], SimResult] = {}
+        # for Refinement's replays; off for solve, whose evaluation counts it would change
+        self._marginals: dict[tuple[int, frozenset[int]], float] | None = (
+            {} if cache_marginals else None
+        )
 
     def sim(self, kept: Iterable[int]) -> SimResult:
         key = frozenset(kept)
@@ -81,9 +87,15 @@ class Search:
     def marginal(self, op: int, kept: set[int]) -> float:
         """Extra recompute cost per byte of dropping ``op`` from ``kept``."""
         g = self.g
+        key = (op, frozenset(kept))
+        if self._marginals is not None and key in self._marginals:
+            return self._marginals[key]
         self.evals += 1
         cost = _run_cost(g, _flags(g, kept - {op})) - _run_cost(g, _flags(g, kept))
-        return cost / max(_own_bytes(g, op), 1)
+        value = cost / max(_own_bytes(g, op), 1)
+        if self._marginals is not None:
+            self._marginals[key] = value
+        return value
 
     def descend(self, kept: set[int]) -> tuple[SimResult, set[int]]:
         """Lazy greedy descent (step 2 of Note [Memory budget planning]); far above the
@@ -173,3 +185,45 @@ class Search:
                     kept, best, improved = trial, r, True
                     break
         return best, kept
+
+
+class Refinement:
+    """The local search of ``Search.improve`` from a plan that fits, a few evaluations at a time.
+
+    Each :meth:`run` replays the search from the same start with a higher evaluation limit:
+    what earlier runs evaluated is cached (simulations and marginal costs, free to look up
+    again), so a run spends its evaluations on new moves only, and the search ends with the
+    plan one uninterrupted search would reach. See Note [Warm start at a new size] rule 5.
+
+    Attributes:
+        kept: the kept ops of the best plan found so far.
+        result: its simulated backward (within the search's budget).
+        done: whether the search ended (no further run can improve the plan).
+
+    Example:
+        >>> ref = Refinement(Search(g, budget, 0, cache_marginals=True), cands, r, kept)  # doctest: +SKIP
+        >>> while not ref.done:  # doctest: +SKIP
+        ...     ref.run(10)
+    """
+
+    def __init__(
+        self, search: Search, candidates: Sequence[int], result: SimResult, kept: Iterable[int]
+    ) -> None:
+        self._search = search
+        self._candidates = list(candidates)
+        self._start = (result, frozenset(kept))
+        self.kept = self._start[1]
+        self.result = result
+        self.done = False
+
+    def run(self, evals: int) -> bool:
+        """Spend up to ``evals`` more evaluations; whether the best plan became cheaper."""
+        search = self._search
+        search.limit = search.evals + evals
+        start, start_kept = self._start
+        best, kept = search.improve(self._candidates, start, set(start_kept))
+        self.done = not search.spent
+        if best.recompute_cost < self.result.recompute_cost:
+            self.result, self.kept = best, frozenset(kept)
+            return True
+        return False

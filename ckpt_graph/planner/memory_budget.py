@@ -78,6 +78,7 @@ from ckpt_graph.planner.budget_sizes import follow, match, op_shapes, scaled, wa
 from ckpt_graph.planner.cost_model import calibrated_flops_per_byte, op_cost, parse_budget
 from ckpt_graph.planner.hand_seeds import block_ids, hand_seeds
 from ckpt_graph.planner.liveness import from_region, simulate
+from ckpt_graph.planner.local_search import Refinement
 from ckpt_graph.planner.solve import KeptTensor, PlanReport, candidate_ops, solve, solve_from
 from ckpt_graph.planner.step_budget import (
     Option,
@@ -98,7 +99,10 @@ if TYPE_CHECKING:
 __all__ = ["KeptTensor", "MemoryBudget", "PlanReport", "StepPlan", "memory_budget"]
 
 _DETACH = "aten.detach.default"
-_WARM_EVALS = 40  # local search of a warm start (Note [Warm start at a new size])
+_WARM = "warm start"
+# local search of a warm start, then per later step (Note [Warm start at a new size])
+_WARM_EVALS = 40
+_REFINE_EVALS = 10
 
 
 class MemoryBudget:
@@ -132,6 +136,8 @@ class MemoryBudget:
         self._dirty = False
         self._planned: tuple[int, ...] = ()
         self._step_plan: StepPlan | None = None
+        # a warm start's search, continued at later steps (Note [Warm start at a new size])
+        self._refining: tuple[int, RegionGraph, int, Refinement] | None = None
 
     def __repr__(self) -> str:
         return f"memory_budget({self.budget!r})"
@@ -143,7 +149,8 @@ class MemoryBudget:
             run.depth += 1
             return
         if all(_done(r()) for r in self._step):  # a new step: plan the last one
-            self._plan_step()
+            if not self._plan_step():
+                self._refine()
             self._step, self._seen = [], []
             self._storages = set()
         ordinal = len(self._step)
@@ -271,45 +278,75 @@ class MemoryBudget:
             fpb = calibrated_flops_per_byte()
         return {j: op_cost(f, run.moved.get(j, 0), fpb) for j, f in run.costs.items()}
 
-    def _plan_step(self) -> None:
+    def _plan_step(self) -> bool:
         """Plan the regions of the current step for the next ones, unless already planned.
 
-        See Note [Step budget across regions].
+        Returns whether it planned. See Note [Step budget across regions].
         """
         if not self._seen:
-            return
+            return False
         key = tuple(id(s.graph) for s in self._seen)
         if not self._dirty and key == self._planned:
-            return
+            return False
         self._dirty = False
         self._planned = key
         self._graphs = {s.graph.signature: s.graph for s in self._seen}  # drop stale graphs
+        self._refining = None
         if len(self._seen) == 1:
-            seen = self._seen[0]
-            graph = seen.graph
-            fraction = isinstance(self.budget, float)
-            budget = int(self.budget * graph.baseline) if fraction else int(self.budget)
-            sol = None
-            if graph.warm is not None:  # See Note [Warm start at a new size].
-                start = warm_kept(graph.warm.kept, graph)
-                limit = budget + graph.outside
-                sol = solve_from(graph.g, graph.candidates, limit, start, max_evals=_WARM_EVALS)
-            if sol is None:
-                sol = solve(graph.g, graph.candidates, budget + graph.outside, hand=graph.hand)
+            self._plan_region(self._seen[0])
+        else:
+            self._plan_jointly()
+        return True
+
+    def _plan_region(self, seen: Seen) -> None:
+        """A step of one region: the solver alone (rule 4 of Note [Step budget across
+        regions]), or a warm start (Note [Warm start at a new size])."""
+        graph = seen.graph
+        fraction = isinstance(self.budget, float)
+        budget = int(self.budget * graph.baseline) if fraction else int(self.budget)
+        limit = budget + graph.outside
+        ref = None
+        if graph.warm is not None:
+            start = warm_kept(graph.warm.kept, graph)
+            ref = solve_from(graph.g, graph.candidates, limit, start, max_evals=_WARM_EVALS)
+        if ref is not None:
+            option = Option(ref.kept, ref.result, _WARM)
+            if not ref.done:
+                self._refining = (seen.ordinal, graph, budget, ref)
+        else:
+            sol = solve(graph.g, graph.candidates, limit, hand=graph.hand)
             if not sol.feasible:
                 warnings.warn(
                     f"ckpt_graph: memory_budget({self.budget!r}): no plan found within "
                     f"{budget:,} bytes for region #{seen.ordinal}; the plan with the lowest "
                     f"simulated peak ({sol.result.peak_bytes - graph.outside:,} bytes) is used",
-                    stacklevel=4,
+                    stacklevel=5,
                 )
             option = Option(sol.kept_ops, sol.result, sol.method, sol.feasible)
-            plan = make_plan(graph, option, seen.ordinal, budget)
-            self._plans[seen.ordinal] = plan
-            self._last = plan.report
-            self._step_plan = None
+        plan = make_plan(graph, option, seen.ordinal, budget)
+        self._plans[seen.ordinal] = plan
+        self._last = plan.report
+        self._step_plan = None
+
+    def _refine(self) -> None:
+        """Continue a warm start's search; a cheaper plan found replaces the step's plan.
+
+        See Note [Warm start at a new size] rule 5.
+        """
+        if self._refining is None:
             return
-        self._plan_jointly()
+        ordinal, graph, budget, ref = self._refining
+        old = self._plans.get(ordinal)
+        if old is None or old.graph is not graph:  # planned again since
+            self._refining = None
+            return
+        if ref.run(_REFINE_EVALS):
+            plan = make_plan(graph, Option(ref.kept, ref.result, _WARM), ordinal, budget)
+            plan.report = replace(plan.report, reuses=old.report.reuses)
+            self._plans[ordinal] = plan
+            self._last = plan.report
+        if ref.done:
+            self._refining = None
 
     def _plan_jointly(self) -> None:
         """The DP of rule 3 of Note [Step budget across regions]."""

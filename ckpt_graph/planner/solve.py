@@ -70,7 +70,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ckpt_graph.planner.liveness import SimGraph, SimResult
-from ckpt_graph.planner.local_search import SIM_GUIDED, Search
+from ckpt_graph.planner.local_search import SIM_GUIDED, Refinement, Search
 from ckpt_graph.planner.milp import milp_plan
 from ckpt_graph.planner.seeds import (
     Solution,
@@ -246,13 +246,14 @@ def solve_from(
     start: Iterable[int],
     *,
     max_evals: int,
-) -> Solution | None:
+) -> Refinement | None:
     """Plan from ``start``, a plan of the same ops at other sizes; ``None`` if none fits.
 
     The warm start of Note [Warm start at a new size]: no seeds, only the greedy descent
     of step 2 of Note [Memory budget planning] from ``start`` (when it does not fit) and the
     local search of step 6 within ``max_evals`` evaluations in all (its first pass, which
-    tries dropping each kept op once, always runs).
+    tries dropping each kept op once, always runs). The search can be continued later with
+    ``Refinement.run``.
 
     Args:
         g: the region's graph.
@@ -262,19 +263,20 @@ def solve_from(
         max_evals: simulations and marginal-cost sweeps the search may spend.
 
     Example:
-        >>> sol = solve_from(graph, candidates, budget, old_kept, max_evals=40)  # doctest: +SKIP
-        >>> sol is None or sol.result.peak_bytes <= budget  # doctest: +SKIP
+        >>> ref = solve_from(graph, candidates, budget, old_kept, max_evals=40)  # doctest: +SKIP
+        >>> ref is None or ref.result.peak_bytes <= budget  # doctest: +SKIP
         True
     """
-    search = Search(g, budget, max_evals)
+    search = Search(g, budget, max_evals, cache_marginals=True)
     kept = set(start) & set(candidates)
     r = search.sim(kept)
     if r.peak_bytes > budget:
         r, kept = search.descend(kept)
         if r.peak_bytes > budget:
             return None
-    best, best_kept = search.improve(candidates, r, kept)
-    return Solution(frozenset(best_kept), best, True, "warm start")
+    ref = Refinement(search, candidates, r, kept)
+    ref.run(max(max_evals - search.evals, 0))
+    return ref
 
 
 def _starts(
