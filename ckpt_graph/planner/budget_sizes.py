@@ -64,14 +64,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckpt_graph.planner.liveness import simulate
 from ckpt_graph.planner.solve import PlanReport
-from ckpt_graph.planner.step_budget import Option, Plan, RegionGraph, Signature, numel, undominated
+from ckpt_graph.planner.step_budget import Plan, Signature, numel
 
 if TYPE_CHECKING:
     from ckpt_graph.planner.budget_heuristic import Run
 
-__all__ = ["follow", "match", "op_shapes", "scaled", "structure", "warm_kept", "warm_menu"]
+__all__ = ["follow", "match", "op_shapes", "scaled", "structure"]
 
 
 def match(run: Run, pos: int, sig: Signature, fraction: bool) -> bool | None:
@@ -136,40 +135,3 @@ def follow(run: Run, pos: int, sig: Signature) -> None:
     run.plans = [
         p for p in run.plans if pos < len(p.signature) and structure(p.signature[pos]) == shape
     ]
-
-
-def warm_kept(kept: frozenset[int], graph: RegionGraph) -> frozenset[int]:
-    """Kept signature positions of a plan as op indices of ``graph`` (same ops, other sizes).
-
-    Positions that are not candidates of ``graph`` (decided otherwise there) are dropped.
-    """
-    back = {pos: j for j, pos in graph.positions.items()}
-    return frozenset(back[pos] for pos in kept if pos in back)
-
-
-def warm_menu(graph: RegionGraph) -> list[Option]:
-    """The menu of ``graph`` from its warm start's, simulated at its sizes.
-
-    See Note [Warm start at a new size] rule 3.
-    """
-    if graph.menu is not None:
-        return graph.menu
-    plan = graph.warm
-    assert plan is not None and plan.graph is not None
-    old = plan.graph
-    starts = [plan.kept]
-    for o in old.menu or []:
-        starts.append(frozenset(old.positions[j] for j in o.kept_ops if j in old.positions))
-    g, cands = graph.g, graph.candidates
-    options = [
-        Option(frozenset(), simulate(g, []), "none"),
-        Option(frozenset(cands), simulate(g, cands), "all"),
-    ]
-    seen = {frozenset[int](), frozenset(cands)}
-    for kept_pos in starts:
-        kept = warm_kept(kept_pos, graph)
-        if kept not in seen:
-            seen.add(kept)
-            options.append(Option(kept, simulate(g, kept), "warm start"))
-    graph.menu = undominated(options)
-    return graph.menu

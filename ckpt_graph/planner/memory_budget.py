@@ -74,12 +74,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphValueError
 from ckpt_graph.planner.budget_heuristic import Run, count_saved, heuristic, tensors
-from ckpt_graph.planner.budget_sizes import follow, match, op_shapes, scaled, warm_kept, warm_menu
+from ckpt_graph.planner.budget_sizes import follow, match, op_shapes, scaled
 from ckpt_graph.planner.cost_model import calibrated_flops_per_byte, op_cost, parse_budget
-from ckpt_graph.planner.hand_seeds import block_ids, hand_seeds
-from ckpt_graph.planner.liveness import from_region, simulate
 from ckpt_graph.planner.local_search import Refinement
-from ckpt_graph.planner.solve import KeptTensor, PlanReport, candidate_ops, solve, solve_from
+from ckpt_graph.planner.solve import KeptTensor, PlanReport, solve, solve_from
 from ckpt_graph.planner.step_budget import (
     Option,
     Plan,
@@ -87,10 +85,11 @@ from ckpt_graph.planner.step_budget import (
     Seen,
     Signature,
     StepPlan,
-    choose,
     input_bytes,
     make_plan,
-    menu,
+    plan_jointly,
+    region_graph,
+    warm_kept,
 )
 
 if TYPE_CHECKING:
@@ -250,26 +249,7 @@ class MemoryBudget:
 
     def _graph(self, region: Region, run: Run) -> RegionGraph:
         """The block's graph as the planner sees it, with the ops the plan may decide."""
-        end = len(region.nodes)
-        free = []
-        for j in range(run.start, end):
-            answer = run.answers.get(j)
-            node = region.nodes[j]
-            if answer is None or any(o in region.tagged for o in node.outputs):
-                continue
-            is_kept = any(o is not None and o.kept for o in node.outputs)
-            if is_kept == answer:
-                free.append(j)
-        g = from_region(region, self._op_costs(run), free)
-        candidates = candidate_ops(g, free)
-        hand = hand_seeds(g, candidates, block_ids([n.module_path for n in region.nodes]))
-        own = {g.values[v].storage for _, v in g.saved if g.values[v].producer >= run.start}
-        baseline = sum(g.values[s].nbytes for s in own if g.values[s].producer >= 0)
-        outside = simulate(g, []).kept_bytes  # fixed kept storages count against the budget
-        fixed_in = {g.values[v].storage for v in g.fixed if g.values[v].producer >= run.start}
-        outside -= sum(g.values[s].nbytes for s in fixed_in)
-        positions = {j: run.positions[j] for j in candidates if j in run.positions}
-        return RegionGraph(tuple(run.signature), g, candidates, positions, baseline, outside, hand)
+        return region_graph(region, run, self._op_costs(run))
 
     def _op_costs(self, run: Run) -> dict[int, int]:
         """Recompute cost per op index of the block. See Note [Recompute cost model]."""
@@ -350,60 +330,23 @@ class MemoryBudget:
 
     def _plan_jointly(self) -> None:
         """The DP of rule 3 of Note [Step budget across regions]."""
-        seen = self._seen
-        baseline = sum(s.graph.baseline + s.inputs for s in seen)
-        outside = sum(s.graph.outside for s in seen)
         fraction = isinstance(self.budget, float)
+        baseline = sum(s.graph.baseline + s.inputs for s in self._seen)
         budget = int(self.budget * baseline) if fraction else int(self.budget)
-        menus = [warm_menu(s.graph) if s.graph.warm else menu(s.graph) for s in seen]
-        limit = budget + outside
-        choice = choose(seen, menus, limit)
-        if choice is None and any(s.graph.warm for s in seen):
-            for s in seen:  # See Note [Warm start at a new size].
-                if s.graph.warm is not None:
-                    s.graph.warm = s.graph.menu = None
-            menus = [menu(s.graph) for s in seen]
-            choice = choose(seen, menus, limit)
-        while choice is None:  # nothing fits: raise the budget until a plan does
-            limit = int(limit * 1.05) + 1
-            choice = choose(seen, menus, limit)
-        feasible = limit == budget + outside
-        prefix = peak = cost = 0
-        for s, options, m in zip(seen, menus, choice, strict=True):
-            r = options[m].result
-            peak = max(peak, prefix + s.inputs + r.peak_bytes)
-            prefix += s.inputs + r.kept_bytes
-            cost += r.recompute_cost
-        if not feasible and not self._warned_step:
+        plans, step = plan_jointly(self._seen, budget)
+        if not step.feasible and not self._warned_step:
             self._warned_step = True
             warnings.warn(
                 f"ckpt_graph: memory_budget({self.budget!r}): no plan found within "
-                f"{budget:,} bytes for the step's {len(seen)} regions; the plans with the "
-                f"lowest predicted step peak found ({peak - outside:,} bytes) are used "
-                "(warned once per policy)",
+                f"{budget:,} bytes for the step's {step.regions} regions; the plans with the "
+                f"lowest predicted step peak found ({step.predicted_peak_bytes:,} bytes) are "
+                "used (warned once per policy)",
                 stacklevel=5,
             )
-        shared: dict[tuple[int, int], Plan] = {}
-        prefix = 0
-        for s, options, m in zip(seen, menus, choice, strict=True):
-            plan = shared.get((id(s.graph), m))
-            if plan is None:
-                share = budget + outside - prefix - s.inputs  # what this region may use
-                plan = make_plan(s.graph, options[m], s.ordinal, share)
-                shared[id(s.graph), m] = plan
+        for s, plan in zip(self._seen, plans, strict=True):
             self._plans[s.ordinal] = plan
             self._last = plan.report
-            prefix += s.inputs + options[m].result.kept_bytes
-        self._step_plan = StepPlan(
-            regions=len(seen),
-            budget_bytes=budget,
-            baseline_bytes=baseline,
-            input_bytes=sum(s.inputs for s in seen),
-            predicted_peak_bytes=peak - outside,
-            predicted_recompute_flops=cost,
-            feasible=feasible,
-            graphs=len({id(s.graph) for s in seen}),
-        )
+        self._step_plan = step
 
     def report(self, ordinal: int | None = None) -> PlanReport | None:
         """The plan of region ``ordinal`` of a step, or the last one made or used.

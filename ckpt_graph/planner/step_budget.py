@@ -36,11 +36,13 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ckpt_graph.planner.liveness import SimGraph, SimResult, simulate
-from ckpt_graph.planner.solve import KeptTensor, PlanReport, solve
+from ckpt_graph.planner.hand_seeds import block_ids, hand_seeds
+from ckpt_graph.planner.liveness import SimGraph, SimResult, from_region, simulate
+from ckpt_graph.planner.solve import KeptTensor, PlanReport, candidate_ops, solve
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
+    from ckpt_graph.planner.budget_heuristic import Run
 
 __all__ = [
     "Option",
@@ -54,7 +56,11 @@ __all__ = [
     "make_plan",
     "menu",
     "numel",
+    "plan_jointly",
+    "region_graph",
     "undominated",
+    "warm_kept",
+    "warm_menu",
 ]
 
 _MENU = 4  # solver budgets per distinct region graph (Note [Step budget across regions])
@@ -163,6 +169,83 @@ def input_bytes(region: Region, since: int, storages: set[int]) -> int:
     return total
 
 
+def region_graph(region: Region, run: Run, costs: dict[int, int]) -> RegionGraph:
+    """The graph of ``run``'s block as the planner sees it, with the ops the plan may decide.
+
+    ``costs``: recompute cost per op index (Note [Recompute cost model]).
+    """
+    end = len(region.nodes)
+    free = []
+    for j in range(run.start, end):
+        answer = run.answers.get(j)
+        node = region.nodes[j]
+        if answer is None or any(o in region.tagged for o in node.outputs):
+            continue
+        is_kept = any(o is not None and o.kept for o in node.outputs)
+        if is_kept == answer:
+            free.append(j)
+    g = from_region(region, costs, free)
+    candidates = candidate_ops(g, free)
+    hand = hand_seeds(g, candidates, block_ids([n.module_path for n in region.nodes]))
+    own = {g.values[v].storage for _, v in g.saved if g.values[v].producer >= run.start}
+    baseline = sum(g.values[s].nbytes for s in own if g.values[s].producer >= 0)
+    outside = simulate(g, []).kept_bytes  # fixed kept storages count against the budget
+    fixed_in = {g.values[v].storage for v in g.fixed if g.values[v].producer >= run.start}
+    outside -= sum(g.values[s].nbytes for s in fixed_in)
+    positions = {j: run.positions[j] for j in candidates if j in run.positions}
+    return RegionGraph(tuple(run.signature), g, candidates, positions, baseline, outside, hand)
+
+
+def plan_jointly(seen: list[Seen], budget: int) -> tuple[list[Plan], StepPlan]:
+    """The plan of each region of ``seen`` and the step's figures, within ``budget`` bytes.
+
+    The DP of rule 3 of Note [Step budget across regions]; if nothing fits, the budget is
+    raised by 5% steps until a choice does (``StepPlan.feasible`` is then False).
+    """
+    baseline = sum(s.graph.baseline + s.inputs for s in seen)
+    outside = sum(s.graph.outside for s in seen)
+    menus = [warm_menu(s.graph) if s.graph.warm else menu(s.graph) for s in seen]
+    limit = budget + outside
+    choice = choose(seen, menus, limit)
+    if choice is None and any(s.graph.warm for s in seen):
+        for s in seen:  # See Note [Warm start at a new size].
+            if s.graph.warm is not None:
+                s.graph.warm = s.graph.menu = None
+        menus = [menu(s.graph) for s in seen]
+        choice = choose(seen, menus, limit)
+    while choice is None:  # nothing fits: raise the budget until a plan does
+        limit = int(limit * 1.05) + 1
+        choice = choose(seen, menus, limit)
+    prefix = peak = cost = 0
+    for s, options, m in zip(seen, menus, choice, strict=True):
+        r = options[m].result
+        peak = max(peak, prefix + s.inputs + r.peak_bytes)
+        prefix += s.inputs + r.kept_bytes
+        cost += r.recompute_cost
+    shared: dict[tuple[int, int], Plan] = {}
+    plans = []
+    prefix = 0
+    for s, options, m in zip(seen, menus, choice, strict=True):
+        plan = shared.get((id(s.graph), m))
+        if plan is None:
+            share = budget + outside - prefix - s.inputs  # what this region may use
+            plan = make_plan(s.graph, options[m], s.ordinal, share)
+            shared[id(s.graph), m] = plan
+        plans.append(plan)
+        prefix += s.inputs + options[m].result.kept_bytes
+    step = StepPlan(
+        regions=len(seen),
+        budget_bytes=budget,
+        baseline_bytes=baseline,
+        input_bytes=sum(s.inputs for s in seen),
+        predicted_peak_bytes=peak - outside,
+        predicted_recompute_flops=cost,
+        feasible=limit == budget + outside,
+        graphs=len({id(s.graph) for s in seen}),
+    )
+    return plans, step
+
+
 def menu(graph: RegionGraph) -> list[Option]:
     """Trade-offs of one region graph (rule 2 of Note [Step budget across regions])."""
     if graph.menu is not None:
@@ -267,3 +350,40 @@ def numel(shapes: tuple[tuple[int, ...], ...]) -> int:
             n *= d
         total += n
     return total
+
+
+def warm_kept(kept: frozenset[int], graph: RegionGraph) -> frozenset[int]:
+    """Kept signature positions of a plan as op indices of ``graph`` (same ops, other sizes).
+
+    Positions that are not candidates of ``graph`` (decided otherwise there) are dropped.
+    """
+    back = {pos: j for j, pos in graph.positions.items()}
+    return frozenset(back[pos] for pos in kept if pos in back)
+
+
+def warm_menu(graph: RegionGraph) -> list[Option]:
+    """The menu of ``graph`` from its warm start's, simulated at its sizes.
+
+    See Note [Warm start at a new size] rule 3.
+    """
+    if graph.menu is not None:
+        return graph.menu
+    plan = graph.warm
+    assert plan is not None and plan.graph is not None
+    old = plan.graph
+    starts = [plan.kept]
+    for o in old.menu or []:
+        starts.append(frozenset(old.positions[j] for j in o.kept_ops if j in old.positions))
+    g, cands = graph.g, graph.candidates
+    options = [
+        Option(frozenset(), simulate(g, []), "none"),
+        Option(frozenset(cands), simulate(g, cands), "all"),
+    ]
+    seen = {frozenset[int](), frozenset(cands)}
+    for kept_pos in starts:
+        kept = warm_kept(kept_pos, graph)
+        if kept not in seen:
+            seen.add(kept)
+            options.append(Option(kept, simulate(g, kept), "warm start"))
+    graph.menu = undominated(options)
+    return graph.menu
