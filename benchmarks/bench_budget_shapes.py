@@ -11,7 +11,8 @@ smaller size's plan: see Note [Plans across sizes] and Note [Warm start at a new
 plan.
 
 Measured (2-core shared machine, one thread): fractions 0.9-1.3x; the int budget's step at a
-new largest size 2.1x a planned step (before the warm start: 20.8x, a plan from scratch).
+new largest size 2.0-2.6x a planned step over 4 runs (before the warm start: 20.8x, a plan
+from scratch).
 
 Run: ``python benchmarks/bench_budget_shapes.py`` (about 10 s on one core).
 """

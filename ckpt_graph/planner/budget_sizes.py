@@ -36,7 +36,7 @@
 #    ``solve_from``: simulated at the new sizes; if the peak no longer fits (values grew,
 #    the budget did not), the greedy descent drops the cheapest kept ops per byte until it
 #    does; then local search within ``_WARM_EVALS`` evaluations (the step then costs about
-#    2x a planned step on the benchmark, from 20.8x). The full solver runs only when
+#    2-2.6x a planned step on the benchmark, from 20.8x). The full solver runs only when
 #    nothing reachable from the warm start fits.
 # 3. Several regions: the menu of a graph with a warm start is the warm plan's graph's menu
 #    (plus keeping nothing and keeping every candidate), mapped and simulated once each at
