@@ -126,7 +126,7 @@ def enable(model: torch.nn.Module, policy: Any = "recompute_all", every_n_layers
         policy: the region policy (``"recompute_all"``, ``"must_save_all"``, a callable or a
             policy object from ``ckpt_graph.policies``). A ``policies.memory_budget`` object
             budgets the whole step: the layers' regions are planned jointly (Note [Step
-            budget across regions] in ``ckpt_graph/policies/_budget.py``).
+            budget across regions] in ``ckpt_graph/planner/step_budget.py``).
         every_n_layers: checkpoint only every n-th layer (as transformers' own option).
 
     Returns:

@@ -189,7 +189,7 @@ def wrap(
         policy: the region's policy, as for ``save_recompute_policy``. One
             ``policies.memory_budget`` object budgets the whole step: the blocks' regions
             are planned jointly (Note [Step budget across regions] in
-            ``ckpt_graph/policies/_budget.py``).
+            ``ckpt_graph/planner/step_budget.py``).
         match: which modules: ``None`` (default) for the repeated blocks, i.e. the children of
             every ``nn.ModuleList``; a module class or tuple of classes; a qualified-name
             pattern (``fnmatch`` syntax, e.g. ``"layers.*"`` or ``"*.mlp"``); or a predicate

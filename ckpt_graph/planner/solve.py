@@ -73,12 +73,11 @@
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ckpt_graph.planner.liveness import SimGraph, SimResult, simulate
+from ckpt_graph.planner.liveness import SimGraph, SimResult
+from ckpt_graph.planner.local_search import SIM_GUIDED, Refinement, Search
 from ckpt_graph.planner.milp import milp_plan
 from ckpt_graph.planner.seeds import (
     Solution,
@@ -96,17 +95,12 @@ __all__ = [
     "brute_force",
     "candidate_ops",
     "solve",
+    "solve_from",
 ]
 
 #: Starting points of the local search (see Note [Memory budget planning]).
 SEEDS = ("greedy", "simulated", "min-cut", "segment DP", "milp")
 
-# Up to this many kept ops, repairs pick each drop by simulating every choice.
-_SIM_GUIDED = 48
-# Up to this many candidates, local search also tries keeping two dropped ops at once.
-_PAIRS = 24
-# Repairs simulate at most this many drops per step (the cheapest per byte).
-_TRY = 8
 # Up to this many candidates, graph seeds that do not fit are repaired by greedy descent.
 _REPAIR_SEEDS = 400
 # Up to this many ops, the exact MILP (Note [Exact MILP of the backward liveness model]) is a
@@ -171,39 +165,6 @@ class PlanReport:
         return "\n".join(lines)
 
 
-def _run_cost(g: SimGraph, kept: Sequence[bool]) -> int:
-    """Recompute cost of a plan given per-value kept flags (the simulator's run sweep)."""
-    pending = [0] * len(g.values)
-    for _, v in g.saved:
-        if not kept[v]:
-            pending[v] += 1
-    cost = 0
-    for j in range(len(g.ops) - 1, -1, -1):
-        op = g.ops[j]
-        for o in op.outputs:
-            if not kept[o] and pending[o] > 0:
-                cost += op.cost
-                for i in op.inputs:
-                    if not kept[i]:
-                        pending[i] += 1
-                break
-    return cost
-
-
-def _flags(g: SimGraph, kept_ops: Iterable[int]) -> list[bool]:
-    kept = [v.producer < 0 for v in g.values]
-    for v in g.fixed:
-        kept[v] = True
-    for o in kept_ops:
-        for v in g.ops[o].outputs:
-            kept[v] = True
-    return kept
-
-
-def _own_bytes(g: SimGraph, op: int) -> int:
-    return sum(g.values[o].nbytes for o in g.ops[op].outputs if g.values[o].storage == o)
-
-
 def solve(
     g: SimGraph,
     candidates: Sequence[int],
@@ -234,7 +195,7 @@ def solve(
         >>> sol = solve(graph, candidate_ops(graph), budget=graph.saved_bytes() // 2)  # doctest: +SKIP
         >>> sol.feasible, sol.result.recompute_cost, sol.method  # doctest: +SKIP
     """
-    search = _Search(g, budget, max_evals)
+    search = Search(g, budget, max_evals)
     kept = set(candidates)
     first = search.sim(kept)
     hand_fit: list[tuple[SimResult, set[int], str]] = []
@@ -295,8 +256,48 @@ def solve(
     return Solution(frozenset(best_kept), best, True, name)
 
 
+def solve_from(
+    g: SimGraph,
+    candidates: Sequence[int],
+    budget: int,
+    start: Iterable[int],
+    *,
+    max_evals: int,
+) -> Refinement | None:
+    """Plan from ``start``, a plan of the same ops at other sizes; ``None`` if none fits.
+
+    The warm start of Note [Warm start at a new size]: no seeds, only the greedy descent
+    of step 2 of Note [Memory budget planning] from ``start`` (when it does not fit) and the
+    local search of step 6 within ``max_evals`` evaluations in all (its first pass, which
+    tries dropping each kept op once, always runs). The search can be continued later with
+    ``Refinement.run``.
+
+    Args:
+        g: the region's graph.
+        candidates: ops the plan may keep.
+        budget: bytes the simulated activation peak of backward may reach.
+        start: kept ops to start from (those not in ``candidates`` are ignored).
+        max_evals: simulations and marginal-cost sweeps the search may spend.
+
+    Example:
+        >>> ref = solve_from(graph, candidates, budget, old_kept, max_evals=40)  # doctest: +SKIP
+        >>> ref is None or ref.result.peak_bytes <= budget  # doctest: +SKIP
+        True
+    """
+    search = Search(g, budget, max_evals, cache_marginals=True)
+    kept = set(start) & set(candidates)
+    r = search.sim(kept)
+    if r.peak_bytes > budget:
+        r, kept = search.descend(kept)
+        if r.peak_bytes > budget:
+            return None
+    ref = Refinement(search, candidates, r, kept)
+    ref.run(max(max_evals - search.evals, 0))
+    return ref
+
+
 def _starts(
-    search: _Search, candidates: Sequence[int], seeds: Sequence[str], milp_seconds: float
+    search: Search, candidates: Sequence[int], seeds: Sequence[str], milp_seconds: float
 ) -> list[tuple[str, SimResult, set[int]]]:
     """Starting plans of the local search, each repaired to fit when it can be."""
     g, budget = search.g, search.budget
@@ -304,7 +305,7 @@ def _starts(
     starts: list[tuple[str, SimResult, set[int]]] = []
     if "greedy" in seeds:
         starts.append(("greedy", *search.descend(kept)))
-    if "simulated" in seeds and len(kept) <= _SIM_GUIDED:
+    if "simulated" in seeds and len(kept) <= SIM_GUIDED:
         starts.append(("simulated", *search.repair(kept, -1)))
     greedy_evals = search.evals
 
@@ -328,123 +329,3 @@ def _starts(
                 starts.append((name, *search.descend(set(plan))))
     search.extra = search.evals - greedy_evals  # spent on graph seeds, not on greedy ones
     return starts
-
-
-class _Search:
-    """Simulator-verified moves on plans, with an evaluation limit and a simulation cache."""
-
-    def __init__(self, g: SimGraph, budget: int, max_evals: int) -> None:
-        self.g = g
-        self.budget = budget
-        self.limit = max_evals
-        self.evals = 0
-        self.extra = 0
-        self._cache: dict[frozenset[int], SimResult] = {}
-
-    def sim(self, kept: Iterable[int]) -> SimResult:
-        key = frozenset(kept)
-        r = self._cache.get(key)
-        if r is None:
-            self.evals += 1
-            r = self._cache[key] = simulate(self.g, key)
-        return r
-
-    @property
-    def spent(self) -> bool:
-        return self.evals >= self.limit
-
-    def marginal(self, op: int, kept: set[int]) -> float:
-        """Extra recompute cost per byte of dropping ``op`` from ``kept``."""
-        g = self.g
-        self.evals += 1
-        cost = _run_cost(g, _flags(g, kept - {op})) - _run_cost(g, _flags(g, kept))
-        return cost / max(_own_bytes(g, op), 1)
-
-    def descend(self, kept: set[int]) -> tuple[SimResult, set[int]]:
-        """Lazy greedy descent (step 2 of Note [Memory budget planning]); far above the
-        budget, drops are simulated once their bytes reach half the excess (a kept value
-        lowers the peak by at most its bytes)."""
-        g = self.g
-        heap = [(self.marginal(op, kept), op) for op in kept]
-        heapq.heapify(heap)
-        r = lowest = self.sim(kept)
-        lowest_kept = set(kept)
-        batch = 0
-        while heap and r.peak_bytes > self.budget:
-            _, op = heapq.heappop(heap)
-            fresh = self.marginal(op, kept)
-            if heap and fresh > heap[0][0] + 1e-12:
-                heapq.heappush(heap, (fresh, op))
-                continue
-            kept = kept - {op}
-            batch += _own_bytes(g, op)
-            if heap and 2 * batch < r.peak_bytes - self.budget:
-                continue
-            batch = 0
-            r = self.sim(kept)
-            if r.peak_bytes < lowest.peak_bytes:
-                lowest, lowest_kept = r, kept
-        if r.peak_bytes > self.budget and batch:
-            r = self.sim(kept)  # the heap ran out mid-batch
-            if r.peak_bytes < lowest.peak_bytes:
-                lowest, lowest_kept = r, kept
-        return (r, kept) if r.peak_bytes <= self.budget else (lowest, lowest_kept)
-
-    def repair(self, trial: set[int], added: int) -> tuple[SimResult, set[int]]:
-        """Drop kept ops until the plan fits: the cheapest per byte of peak it removes."""
-        r = self.sim(trial)
-        while r.peak_bytes > self.budget and not self.spent:
-            pool = trial - {added}
-            if not pool:
-                break
-            if len(pool) > _SIM_GUIDED:
-                op = min(pool, key=lambda o: self.marginal(o, trial))
-                trial = trial - {op}
-                r = self.sim(trial)
-                continue
-            if len(pool) > _TRY:  # simulate only the cheapest drops per byte
-                pool = set(sorted(pool, key=lambda o: self.marginal(o, trial))[:_TRY])
-            trials = [(self.sim(trial - {o}), o) for o in sorted(pool)]
-            fits = [t for t in trials if t[0].peak_bytes <= self.budget]
-            if fits:
-                r, op = min(fits, key=lambda t: t[0].recompute_cost)
-            else:
-                r, op = min(
-                    trials,
-                    key=lambda t: (
-                        (t[0].recompute_cost - r.recompute_cost + 1)
-                        / max(r.peak_bytes - t[0].peak_bytes, 1e-3)
-                    ),
-                )
-            trial = trial - {op}
-        return r, trial
-
-    def improve(
-        self, candidates: Sequence[int], best: SimResult, kept: set[int]
-    ) -> tuple[SimResult, set[int]]:
-        """Local search from a feasible plan (step 6 of Note [Memory budget planning])."""
-        improved = True
-        while improved and not self.spent:
-            improved = False
-            for op in sorted(kept):  # free memory where it costs nothing
-                r = self.sim(kept - {op})
-                if r.recompute_cost <= best.recompute_cost and r.peak_bytes <= self.budget:
-                    kept, best = kept - {op}, r
-            dropped = sorted(set(candidates) - kept, key=lambda o: -self.g.ops[o].cost)
-            for op in dropped:
-                if self.spent:
-                    break
-                r, trial = self.repair(kept | {op}, op)
-                if r.peak_bytes <= self.budget and r.recompute_cost < best.recompute_cost:
-                    kept, best, improved = trial, r, True
-            if improved or len(candidates) > _PAIRS:
-                continue
-            dropped = sorted(set(candidates) - kept)
-            for a, b in itertools.combinations(dropped, 2):
-                if self.spent:
-                    break
-                r, trial = self.repair(kept | {a, b}, a)
-                if r.peak_bytes <= self.budget and r.recompute_cost < best.recompute_cost:
-                    kept, best, improved = trial, r, True
-                    break
-        return best, kept

@@ -1,13 +1,15 @@
 """memory_budget with changing shapes: plans apply across sizes (issue 14 item 14).
 
-See Note [Plans across sizes] in ckpt_graph/policies/_budget.py. The step-time ratio is
+See Note [Plans across sizes] in ckpt_graph/planner/budget_sizes.py. The step-time ratio is
 measured in benchmarks/bench_budget_shapes.py, not here.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -15,8 +17,12 @@ import torch
 import ckpt_graph as cg
 from ckpt_graph.compare.zoo import GPT
 from ckpt_graph.memory import measure
+from ckpt_graph.planner import memory_budget as memory_budget_module
+from ckpt_graph.planner import step_budget
 from ckpt_graph.planner.liveness import from_region, kept_ops_of, simulate
-from ckpt_graph.planner.memory_budget import MemoryBudget, memory_budget
+from ckpt_graph.planner.local_search import Refinement
+from ckpt_graph.planner.memory_budget import MemoryBudget, StepPlan, memory_budget
+from ckpt_graph.planner.solve import solve_from
 
 VOCAB, WIDTH, LAYERS, HEADS, MAX_SEQ = 64, 32, 2, 2, 48
 
@@ -133,3 +139,150 @@ def test_a_structural_change_still_warns_and_plans_again(plans_made: list[int]) 
     with pytest.warns(UserWarning, match="differs from the planned one"):
         step(batch(4, 16), policy)
     assert len(plans_made) == 2
+
+
+@pytest.fixture
+def solver_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Counts the policy's full solver runs (``solve``) and warm starts (``solve_from``)."""
+    calls: Counter[str] = Counter()
+
+    def counting(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    for module in (memory_budget_module, step_budget):
+        monkeypatch.setattr(module, "solve", counting("solve", module.solve))
+    monkeypatch.setattr(memory_budget_module, "solve_from", counting("solve_from", solve_from))
+    return calls
+
+
+def test_int_budget_at_a_new_largest_size_starts_from_the_smaller_plan(
+    solver_calls: Counter[str],
+) -> None:
+    # Before: each new largest size was planned from scratch (about 20x a planned step in
+    # benchmarks/bench_budget_shapes.py); see Note [Warm start at a new size].
+    step = Step(model())
+    budget = 250_000
+    policy = memory_budget(budget, flops_per_byte=2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(batch(4, 16), policy)
+    assert policy.report() is not None
+    assert solver_calls == {"solve": 1}
+    warm = 0
+    for b, s in [(4, 24), (5, 24), (6, 24)]:  # each larger than every size before
+        x = batch(b, s)
+        plain = measure(step, x, None).peak_bytes
+        expected = step.grads()
+        for planned in (False, True):  # the step that grows, then the one with its plan
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # same ops, other sizes: no warning
+                peak = measure(step, x, policy).peak_bytes
+            torch.testing.assert_close(step.grads(), expected, rtol=0, atol=0)
+            if not planned:
+                report = policy.report()  # plans the step that grew
+                warm += 1
+                assert solver_calls == {"solve": 1, "solve_from": warm}, (b, s, report)
+                assert report is not None and report.method == "warm start"
+                assert report.feasible and report.predicted_peak_bytes <= budget
+        assert step.region is not None
+        g = from_region(step.region)
+        assert simulate(g, kept_ops_of(step.region)).peak_bytes <= budget
+        others = plain - g.saved_bytes()  # measured; see test_budget.py
+        assert peak - others <= 1.03 * budget, (b, s, peak - others)
+
+
+def test_per_block_regions_at_a_new_largest_size_reuse_the_smaller_menus(
+    solver_calls: Counter[str],
+) -> None:
+    gpt = model()
+    budget = 300_000  # for the step's LAYERS regions together
+    policy = memory_budget(budget, flops_per_byte=2.0)
+
+    def blocks_step(x: torch.Tensor, policy: MemoryBudget | None) -> None:
+        for p in gpt.parameters():
+            p.grad.zero_()  # type: ignore[union-attr]
+        h = gpt.tok(x) + gpt.pos(torch.arange(x.shape[1]))
+        for block in gpt.blocks:
+            if policy is None:
+                h = block(h)
+            else:
+                with cg.save_recompute_policy(policy):
+                    h = block(h)
+        gpt.head(gpt.ln_f(h)).pow(2).mean().backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        blocks_step(batch(4, 16), policy)
+    first = policy.step_report()
+    assert first is not None and first.regions == LAYERS and first.feasible
+    solves = solver_calls["solve"]
+    assert solves > 0
+    for b, s in [(4, 24), (6, 24)]:
+        x = batch(b, s)
+        plain = measure(blocks_step, x, None).peak_bytes
+        expected = [p.grad.clone() for p in gpt.parameters()]  # type: ignore[union-attr]
+        report: StepPlan | None = None
+        for _ in range(2):  # the step that grows, then the one with its plan
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                peak = measure(blocks_step, x, policy).peak_bytes
+            grads = [p.grad for p in gpt.parameters()]
+            torch.testing.assert_close(grads, expected, rtol=0, atol=0)
+            report = policy.step_report()  # plans the step that grew (warm menus)
+            assert report is not None and report.feasible
+            assert report.predicted_peak_bytes <= budget
+        assert report is not None
+        assert solver_calls["solve"] == solves, (b, s)  # no menu built by the solver again
+        assert report.baseline_bytes > first.baseline_bytes  # planned at the new size
+        others = plain - report.baseline_bytes  # measured: 0.94-0.96x the budget
+        assert peak - others <= 1.03 * budget, (b, s, peak - others)
+
+
+def test_a_warm_start_is_refined_at_later_steps_until_its_search_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # See Note [Warm start at a new size] rule 5.
+    runs: list[bool] = []
+    run = Refinement.run
+
+    def counting(self: Refinement, evals: int) -> bool:
+        runs.append(run(self, evals))
+        return runs[-1]
+
+    monkeypatch.setattr(Refinement, "run", counting)
+    step = Step(model())
+    budget = 250_000
+    policy = memory_budget(budget, flops_per_byte=2.0)
+    x = batch(6, 24)
+    step(x, None)
+    expected = step.grads()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(batch(4, 16), policy)
+        step(x, policy)  # larger: planned from the smaller plan
+    report = policy.report()
+    assert report is not None and report.method == "warm start"
+    costs = [report.predicted_recompute_flops]
+    for _ in range(40):
+        step(x, policy)
+        torch.testing.assert_close(step.grads(), expected, rtol=0, atol=0)
+        assert step.region is not None
+        peak = simulate(from_region(step.region), kept_ops_of(step.region)).peak_bytes
+        assert peak <= budget
+        report = policy.report()
+        assert report is not None
+        costs.append(report.predicted_recompute_flops)
+    assert costs == sorted(costs, reverse=True)
+    assert costs[-1] < costs[0]  # measured: 2.3% less recompute than the warm start
+    assert 0 < len(runs) < 40  # a bounded search per step, ended (then no more runs)
+    fresh = memory_budget(budget, flops_per_byte=2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(x, fresh)
+    fresh_report = fresh.report()
+    assert fresh_report is not None and fresh_report.method != "warm start"
+    assert costs[-1] <= fresh_report.predicted_recompute_flops  # measured: equal

@@ -1,6 +1,6 @@
 """One ``memory_budget`` object for a whole training step across several regions.
 
-See Note [Step budget across regions] in ckpt_graph/policies/_budget.py. Gradients are
+See Note [Step budget across regions] in ckpt_graph/planner/step_budget.py. Gradients are
 accumulated into zeroed buffers, so that a step's measured peak is its activation memory.
 """
 
@@ -18,7 +18,8 @@ from ckpt_graph.compare.zoo import GPT
 from ckpt_graph.integrations.wrap import unwrap, wrap
 from ckpt_graph.memory import measure
 from ckpt_graph.planner.liveness import SimResult
-from ckpt_graph.planner.memory_budget import MemoryBudget, StepPlan, _choose, _Option, _Seen
+from ckpt_graph.planner.memory_budget import MemoryBudget, StepPlan
+from ckpt_graph.planner.step_budget import Option, Seen, choose
 
 LAYERS = 6
 Step = Callable[[GPT, torch.Tensor], None]
@@ -150,8 +151,8 @@ def test_step_boundaries() -> None:
     assert report is not None and report.regions == LAYERS
 
 
-def _option(peak: int, kept: int, cost: int) -> _Option:
-    return _Option(frozenset(), SimResult(peak, peak, kept, cost, 0, -1), "test")
+def _option(peak: int, kept: int, cost: int) -> Option:
+    return Option(frozenset(), SimResult(peak, peak, kept, cost, 0, -1), "test")
 
 
 def test_joint_choice_is_the_cheapest_that_fits() -> None:
@@ -161,7 +162,7 @@ def test_joint_choice_is_the_cheapest_that_fits() -> None:
     # second (freed first) fits: 10 + 0 + 10 + 50 = 70, and the first: 10 + 50 = 60.
     menu = [_option(50, 0, 9), _option(50, 50, 0)]
     graph = object()
-    seen = [_Seen(0, graph, 10), _Seen(1, graph, 10)]  # type: ignore[arg-type]
-    assert _choose(seen, [menu, menu], 115) == [0, 1]
-    assert _choose(seen, [menu, menu], 120) == [1, 1]
-    assert _choose(seen, [menu, menu], 59) is None
+    seen = [Seen(0, graph, 10), Seen(1, graph, 10)]  # type: ignore[arg-type]
+    assert choose(seen, [menu, menu], 115) == [0, 1]
+    assert choose(seen, [menu, menu], 120) == [1, 1]
+    assert choose(seen, [menu, menu], 59) is None

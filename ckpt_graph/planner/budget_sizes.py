@@ -1,0 +1,137 @@
+"""Plans applied across sizes: matching a region to a plan by op structure.
+
+# Note [Plans across sizes]
+# Variable-length batches change every shape of a step but not its ops. Planning such a
+# step from scratch costs tens of planned steps (graph, simulator, solver), so a plan is
+# applied across sizes:
+# 1. Matching. Op by op, a plan matches when the op name, the number of outputs and each
+#    output's number of dimensions are the plan's at that position (the *structure*); the
+#    sizes themselves are not compared, nor required to map consistently (the ops already
+#    fix which value feeds which). Among the plans matching the structure, one whose sizes
+#    are also equal so far is preferred (an exact match, as before).
+# 2. Fractions. With a fraction, the budget scales with the step's activation bytes, and
+#    so does the peak of the same kept set when the sizes scale together (batch, sequence
+#    length of pointwise and matmul ops); so the plan is applied as it is, with no warning
+#    and no new plan. ``report()`` then gives the plan's byte figures scaled by the ratio of
+#    the region's activation bytes (rule 1) to the planned region's (``reuses`` counts it).
+#    Terms that grow faster than the rest (attention scores with the sequence length) make
+#    this an approximation: tests/planner/test_budget_shapes.py measures it.
+# 3. Bytes. With an int budget, a kept set planned at some sizes fits at sizes no larger:
+#    every value is no larger, so no simulated peak is. At each position the elements of
+#    the outputs so far are compared with the plan's; once they exceed the plan's, the rest
+#    of the region is decided by the heuristic and its step planned again (no warning: the
+#    graph did not change), for the larger sizes. So a run plans once per new largest size,
+#    not once per step, and that plan starts from the old one (Note [Warm start at a new
+#    size]).
+#
+# Note [Warm start at a new size]
+# Planning a step at a new largest size from scratch (int budget, rule 3 of Note [Plans
+# across sizes]) cost about 20x a planned step (benchmarks/bench_budget_shapes.py: the
+# solver's seeds and local search simulate the larger graph hundreds of times). The step
+# has the ops of a planned one, only larger, so its plan starts from that one:
+# 1. After growing past the plan, the region keeps following the plans' structure op by
+#    op (``follow``); a plan that matches to the end becomes its graph's ``warm`` start.
+#    (A structure that differs still warns, as rule 3 of Note [Memory budget policy].)
+# 2. One region: the plan's kept positions, mapped to the new graph's ops, start
+#    ``solve_from``: simulated at the new sizes; if the peak no longer fits (values grew,
+#    the budget did not), the greedy descent drops the cheapest kept ops per byte until it
+#    does; then local search within ``_WARM_EVALS`` evaluations (the step then costs about
+#    2-2.6x a planned step on the benchmark, from 20.8x). The full solver runs only when
+#    nothing reachable from the warm start fits.
+# 3. Several regions: the menu of a graph with a warm start is the warm plan's graph's menu
+#    (plus keeping nothing and keeping every candidate), mapped and simulated once each at
+#    the new sizes, with no solver; each entry's figures are exact there. If the DP finds no
+#    choice within the budget with such menus, they are rebuilt by the solver as before.
+# 4. So the plan meets the budget as a fresh one does (its peak is simulated at the new
+#    sizes); it may recompute more than a fresh plan would (measured on the benchmark's
+#    GPT: 0-11% more, at 1-3 MiB and sizes up to 2x the planned one).
+# 5. Refinement. A warm start's search that stopped at its evaluation limit goes on at the
+#    start of each later step (one that needs no new plan) for ``_REFINE_EVALS`` more
+#    (``local_search.Refinement``: replayed from its start, earlier evaluations cached),
+#    until it ends or the step is planned again; a cheaper plan found replaces the step's
+#    plan (the search keeps only plans simulated within the budget). Measured there: it
+#    ended after 28-59 steps with plans 0-8% cheaper than a fresh plan, those steps costing
+#    1.1-2x a planned step of the smaller size (the larger size's own work included).
+# Known limitations: steps of several regions are not refined (their menus are the smaller
+# size's entries, simulated); a new largest size whose warm start cannot fit the budget is
+# planned from scratch (so, below what the sizes can reach, every new largest size is).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ckpt_graph.planner.solve import PlanReport
+from ckpt_graph.planner.step_budget import Plan, Signature, numel
+
+if TYPE_CHECKING:
+    from ckpt_graph.planner.budget_heuristic import Run
+
+__all__ = ["follow", "match", "op_shapes", "scaled", "structure"]
+
+
+def match(run: Run, pos: int, sig: Signature, fraction: bool) -> bool | None:
+    """The answer of the plan matching the region so far, or ``None`` (the heuristic
+    decides from here). See Note [Plans across sizes]."""
+    run.elements += numel(sig[1])
+    if run.exact:
+        run.exact = [p for p in run.exact if pos < len(p.signature) and p.signature[pos] == sig]
+    shape = structure(sig)
+    run.plans = [
+        p
+        for p in run.plans
+        if pos < len(p.signature)
+        and (p.signature[pos] == sig or structure(p.signature[pos]) == shape)
+    ]
+    if run.exact:
+        return pos in run.exact[0].kept
+    if not run.plans:
+        return None
+    plan = run.plans[0]
+    if not fraction and run.elements > plan.elements[pos]:
+        run.grown = True  # larger than planned: an int budget needs a new plan
+        return None
+    return pos in plan.kept
+
+
+def scaled(plan: Plan, run: Run, fraction: bool) -> PlanReport:
+    """``plan``'s report with its byte figures scaled to the sizes of ``run``."""
+    r = plan.report
+    ratio = run.saved_bytes / max(r.baseline_bytes, 1)
+    return replace(
+        r,
+        budget_bytes=int(r.budget_bytes * ratio) if fraction else r.budget_bytes,
+        baseline_bytes=int(r.baseline_bytes * ratio),
+        kept=tuple(replace(k, nbytes=int(k.nbytes * ratio)) for k in r.kept),
+        predicted_peak_bytes=int(r.predicted_peak_bytes * ratio),
+        predicted_total_peak_bytes=int(r.predicted_total_peak_bytes * ratio),
+        predicted_recompute_flops=int(r.predicted_recompute_flops * ratio),
+    )
+
+
+def op_shapes(out: Any) -> tuple[tuple[int, ...], ...]:
+    """The shape of each output of an op (``()`` for a non-tensor output)."""
+    if isinstance(out, torch.Tensor):
+        return (tuple(out.shape),)
+    if isinstance(out, (tuple, list)):
+        return tuple(tuple(o.shape) if isinstance(o, torch.Tensor) else () for o in out)
+    return ()
+
+
+def structure(sig: Signature) -> tuple[str, tuple[int, ...]]:
+    """Op name and the number of dimensions of each output. See Note [Plans across sizes]."""
+    return sig[0], tuple(len(s) for s in sig[1])
+
+
+def follow(run: Run, pos: int, sig: Signature) -> None:
+    """Keep the plans whose structure matches the region so far, after it grew past them.
+
+    See Note [Warm start at a new size] rule 1.
+    """
+    shape = structure(sig)
+    run.plans = [
+        p for p in run.plans if pos < len(p.signature) and structure(p.signature[pos]) == shape
+    ]
