@@ -73,7 +73,9 @@
 # of its handle; a recomputed handle that drops to zero makes its producer dead once all
 # its recomputed outputs are, which takes a use of each of the producer's inputs, and so
 # on; a kept handle that drops to zero is released. So a kept block input is freed right
-# after the last backward node that could need it, as autograd frees a saved tensor.
+# after the last backward node that could need it, as autograd frees a saved tensor. An op
+# node that is dead and whose kept outputs have no live use either never runs again: its
+# generator state (Note [RNG replay]) is dropped (a CPU state is 5 KiB per random op).
 #
 # Replay context (``_enter_replay``, for ``realize`` and ``realize_again``): no grad
 # (unpacked values must be plain tensors; autograd re-attaches them to the original graph,
@@ -326,6 +328,8 @@ def count_live_uses(region: Region) -> None:
         if needed:
             for i in node.inputs:
                 i.live += 1
+        elif node.rng is not None:
+            _drop_rng_if_dead(node)
     for h in region.inputs:
         h.live += h.packs
     for h in region.inputs:
@@ -348,6 +352,8 @@ def lose_use(region: Region, h: Handle) -> None:
             continue
         if h.reason is not None:
             h.value = None
+            if h.node_index >= 0 and nodes[h.node_index].rng is not None:
+                _drop_rng_if_dead(nodes[h.node_index])
             continue
         if h.node_index < 0:
             continue
@@ -357,7 +363,19 @@ def lose_use(region: Region, h: Handle) -> None:
         ):
             continue
         node.live = False
+        if node.rng is not None:
+            _drop_rng_if_dead(node)
         stack.extend(node.inputs)
+
+
+def _drop_rng_if_dead(node: OpNode) -> None:
+    """Drop the generator state of a node that can no longer run.
+
+    A node with a kept output still in use stays able to run: Note [Kept values changed
+    after the region] may recompute that output. See Note [Releasing kept values].
+    """
+    if not node.live and not any(o is not None and o.live > 0 for o in node.outputs):
+        node.rng = None
 
 
 def begin_pass(region: Region, task: int) -> None:
@@ -477,7 +495,7 @@ def _mark_transient(region: Region) -> None:
     """Mark the pass's transient values. See Note [Transient values]."""
     for node in region.nodes:
         info = node.info
-        if not info.is_pointwise or info.writes or node.rng is not None:
+        if not info.is_pointwise or info.writes or info.is_random:
             continue
         outs = node.outputs
         if len(outs) != 1:

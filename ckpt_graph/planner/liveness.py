@@ -46,6 +46,11 @@ builds one from a recorded region.
 #    allocates beyond the input gradients: the unfolded input of a slow convolution, the
 #    normalised input of batch norm, oneDNN's reordered copies) counts at its step; its
 #    ``run_workspace`` (the same for its forward) counts whenever it runs in backward.
+#    Autograd unpacks a node's saved tensors before its formula runs, so while a step's
+#    values are recomputed the gradients that step allocates do not exist yet
+#    (``step_grad_in_bytes``); they do when its formula and workspace run. (Counting them
+#    during the recompute too put a convolution's recompute workspace on top of its
+#    consumer's input gradients: a CNN plan was predicted 12% above its measured peak.)
 #    None depend on the plan: they raise ``peak_total_bytes``, not ``peak_bytes``.
 #    Workspaces are measured once per op signature (Note [Measuring op workspaces]); without
 #    them (``from_region(region)``) they are 0, which underestimates convolutional models
@@ -79,9 +84,15 @@ builds one from a recorded region.
 #    order, adds values no remaining op reads to the open segment, closes segments (frontier
 #    kept as checkpoints, segment dropped, producers owed a run that adds a use to each
 #    recomputed input) and runs dropped values again when a later step needs them.
+# 9. Generator states (Note [RNG replay]): a random op holds the state it replays with
+#    while it may still run: until it is dead (rule 5) and its kept outputs have no live
+#    use either (the engine drops the state then). Random ops that drew nothing share one
+#    state. They count in ``peak_total_bytes`` only, as the
+#    planner budgets activations: a CPU state is 5 KiB, which matters in tiny test models
+#    only. (Not modelled, they made the measured peaks of such models look up to 17% below
+#    the prediction once the engine dropped them early in backward.)
 # Known limitations: the unpacked values of kept tensors are aliases (no memory); the
-# order of allocations inside a step is not modelled (the gradients of a step's inputs are
-# counted while its saved tensors are recomputed); the engine's ready queue may run
+# order of allocations inside a step's formula is not modelled; the engine's ready queue may run
 # independent branches in another order than the reverse forward order; memory outside the
 # region (the loss when computed outside it) is not counted, nor are values the program
 # still references after the region released them (a kept region output held by the
@@ -142,6 +153,8 @@ class SimOp:
         run_workspace: bytes it allocates beyond its outputs when it runs again (rule 4).
         pointwise: it may run again at each use of its value (rule 7): elementwise, not
             random, not in place, one output.
+        rng: index in ``SimGraph.rng_bytes`` of the generator state it replays with (rule
+            9), -1 if it is not random; random ops that share one state share the index.
     """
 
     inputs: tuple[int, ...]
@@ -151,6 +164,7 @@ class SimOp:
     workspace: int = 0
     run_workspace: int = 0
     pointwise: bool = False
+    rng: int = -1
 
 
 @dataclass(frozen=True)
@@ -168,6 +182,10 @@ class SimGraph:
             ``realize.TRANSIENT_MIN_BYTES``).
         cache_limit: the region's ``cache_limit`` (rule 8); ``"unbounded"`` caches every
             recomputed value until its last use.
+        rng_bytes: bytes of each generator state random ops hold (rule 9).
+        step_grad_in_bytes: gradient bytes alive while a step unpacks its saved tensors,
+            before its formula allocates its inputs' gradients (rule 4); a step missing
+            here counts ``step_grad_bytes``.
 
     Example:
         >>> g = SimGraph(
@@ -186,6 +204,8 @@ class SimGraph:
     step_grad_bytes: Mapping[int, int] = field(default_factory=dict)
     transient_min_bytes: int = 0
     cache_limit: int | str | None = "unbounded"
+    rng_bytes: tuple[int, ...] = ()
+    step_grad_in_bytes: Mapping[int, int] = field(default_factory=dict)
 
     def saved_bytes(self) -> int:
         """Activation bytes kept without checkpointing: distinct op-made saved storages."""
@@ -199,12 +219,14 @@ class SimResult:
 
     Attributes:
         peak_bytes: highest activation memory (kept + cached + held storages).
-        peak_total_bytes: highest activation + gradient + workspace memory (rule 4).
+        peak_total_bytes: highest activation + gradient + workspace + generator state
+            memory (rules 4 and 9).
         kept_bytes: storages of kept values some saved tensor still needs when backward starts.
         recompute_cost: summed cost of the op runs in backward.
         recomputed_ops: number of op runs in backward (the producer of a transient value
             counts once per run, as ``PassState.recomputed_ops``).
         peak_step: op index of the step where ``peak_total_bytes`` was reached (-1 if none).
+        runs: runs of each op in backward (``OpNode.realized`` of one pass).
     """
 
     peak_bytes: int
@@ -213,6 +235,7 @@ class SimResult:
     recompute_cost: int
     recomputed_ops: int
     peak_step: int
+    runs: tuple[int, ...] = ()
 
 
 def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
@@ -261,13 +284,21 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
     if bound is not None and bound.limit == 0:
         bound = None
     transient = _mark_transient(g, kept, pending) if bound is None else [False] * nv
+    rng_refs = [0] * len(g.rng_bytes)  # rule 9: ops holding each generator state
+    holds = [False] * n
+    for j in range(n):
+        if ops[j].rng >= 0 and (needed[j] or any(live[o] > 0 for o in ops[j].outputs)):
+            holds[j] = True
+            rng_refs[ops[j].rng] += 1
+    rng_level = sum(b for b, k in zip(g.rng_bytes, rng_refs, strict=True) if k)
     refs: dict[int, int] = {}
     cached = [False] * nv
     pins = [0] * nv
     ran = [False] * n
+    runs = [0] * n
     level = peak = peak_total = cost = count = 0
     peak_step = step = -1
-    grads = g.step_grad_bytes
+    grads, grads_in = g.step_grad_bytes, g.step_grad_in_bytes
 
     def acquire(v: int) -> None:
         nonlocal level
@@ -309,16 +340,19 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
         if cached[v]:
             drop(v)
 
-    def check(extra: int) -> None:
+    def check(extra: int, formula: bool = False) -> None:
         nonlocal peak, peak_total, peak_step
         peak = max(peak, level)
-        total = level + grads.get(step, 0) + extra
+        # while recomputing for the step's unpacks, its own gradients are not made yet
+        grad = grads.get(step, 0) if formula else grads_in.get(step, grads.get(step, 0))
+        total = level + rng_level + grad + extra
         if total > peak_total:
             peak_total, peak_step = total, step
 
     def run(j: int) -> None:
         nonlocal cost, count
         ran[j] = True
+        runs[j] += 1
         op = ops[j]
         cost += op.cost
         count += 1
@@ -351,6 +385,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
         op = ops[j]
         cost += op.cost
         count += 1
+        runs[j] += 1
         owed[j] = False
         for o in op.outputs:
             acquire(o)
@@ -481,6 +516,15 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
                     if not cached[i]:
                         stack.append((values[i].producer, False))
 
+    def drop_rng(j: int) -> None:  # rule 9, as realize._drop_rng_if_dead
+        nonlocal rng_level
+        if holds[j] and not needed[j] and not any(live[o] > 0 for o in ops[j].outputs):
+            holds[j] = False
+            r = ops[j].rng
+            rng_refs[r] -= 1
+            if rng_refs[r] == 0:
+                rng_level -= g.rng_bytes[r]
+
     def lose(v: int) -> None:  # rule 5, as realize.lose_use
         stack = [v]
         while stack:
@@ -488,15 +532,18 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             live[v] -= 1
             if live[v] != 0:
                 continue
+            p = values[v].producer
             if kept[v]:
                 release(v)
+                if p >= 0:
+                    drop_rng(p)
                 continue
-            p = values[v].producer
             if p < 0 or not needed[p]:
                 continue
             if any(not kept[o] and live[o] > 0 for o in ops[p].outputs):
                 continue
             needed[p] = False
+            drop_rng(p)
             stack.extend(ops[p].inputs)
 
     for step in range(n - 1, -1, -1):
@@ -510,14 +557,14 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             acquire(v)
             held.append(v)
             use(v)
-        check(ops[step].workspace)
+        check(ops[step].workspace, formula=True)
         for v in held:
             release(v)
         for v in saves:
             lose(v)
     if not g.saved:
-        peak = peak_total = kept_bytes
-    return SimResult(peak, peak_total, kept_bytes, cost, count, peak_step)
+        peak, peak_total = kept_bytes, kept_bytes + rng_level
+    return SimResult(peak, peak_total, kept_bytes, cost, count, peak_step, tuple(runs))
 
 
 def _mark_transient(g: SimGraph, kept: list[bool], pending: list[int]) -> list[bool]:
