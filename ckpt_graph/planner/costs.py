@@ -17,12 +17,12 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ckpt_graph.engine import realize
+from ckpt_graph.engine import passes
+from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimValue
 from ckpt_graph.planner.workspaces import _ZERO, Workspace
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
-    from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue
 
 __all__ = ["from_region", "grad_bytes", "kept_ops_of", "step_grads", "workspace_of"]
 
@@ -143,7 +143,6 @@ def from_region(
         >>> g = from_region(region, workspaces=measure_workspaces(region))  # doctest: +SKIP
         >>> simulate(g, kept_ops_of(region)).peak_total_bytes  # doctest: +SKIP
     """
-    from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue
 
     free = set(free_ops)
     vid: dict[int, int] = {}
@@ -220,7 +219,7 @@ def from_region(
         tuple(saved),
         frozenset(fixed),
         grads,
-        getattr(realize, "TRANSIENT_MIN_BYTES", 0),
+        passes.TRANSIENT_MIN_BYTES,
         region.cache_limit,
         tuple(rng_bytes),
         grads_in,

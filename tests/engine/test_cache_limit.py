@@ -1,6 +1,6 @@
 """The bounded recompute cache: one region over a whole model saves memory by itself.
 
-See Note [Bounded recompute cache] in ``ckpt_graph/realize.py``. Gradients are compared
+See Note [Bounded recompute cache] in ``ckpt_graph/engine/cache_bound.py``. Gradients are compared
 bitwise with a run without checkpointing, peaks are measured with ``ckpt_graph.memory``
 against ``torch.utils.checkpoint`` per block, and recompute is counted with the region's
 own statistics (``PassState.recomputed_ops``: one per op run in backward).
@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 import ckpt_graph as cg
 from ckpt_graph import CkptGraphError
 from ckpt_graph.compare.zoo import Workload, build_workload
-from ckpt_graph.engine import realize
+from ckpt_graph.engine import passes
 from ckpt_graph.memory import measure
 from ckpt_graph.planner.liveness import kept_ops_of, simulate
 
@@ -33,13 +33,13 @@ from ckpt_graph.planner.liveness import kept_ops_of, simulate
 def tiny_segments(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bound every pass with 1-byte segments: every value that can be dropped is dropped, so
     nearly every op runs again at least once (the harshest test of exactness)."""
-    original = realize.segment_limit
+    original = passes.segment_limit
 
     def tiny(region: cg.Region, last: dict[Any, int]) -> int:
         original(region, last)  # sets the pass's mean frontier
         return 1
 
-    monkeypatch.setattr(realize, "segment_limit", tiny)
+    monkeypatch.setattr(passes, "segment_limit", tiny)
 
 
 # ----------------------------------------------------------------------------- cache_limit

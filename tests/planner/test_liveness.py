@@ -141,7 +141,7 @@ def pointwise_graph(pointwise: bool) -> SimGraph:
 
 
 def test_transient_values_run_at_each_use_instead_of_staying_cached() -> None:
-    # See Note [Transient values] (realize.py): h is dropped after step 2 and runs again
+    # See Note [Transient values] (passes.py): h is dropped after step 2 and runs again
     # at step 0, so it is not cached while B is realized at step 1.
     cached = simulate(pointwise_graph(False), [])
     transient = simulate(pointwise_graph(True), [])
@@ -285,7 +285,7 @@ def test_embedded_workloads_with_the_loss_in_the_region(name: str, policy: str) 
 
 
 def test_transient_values_of_one_save_matmuls_region_over_a_gpt() -> None:
-    # Residual values of 64 KiB: at realize.TRANSIENT_MIN_BYTES, so they may be transient.
+    # Residual values of 64 KiB: at passes.TRANSIENT_MIN_BYTES, so they may be transient.
     torch.manual_seed(0)
     model, x = GPT(64, 64, 2, 2, 64).train(), torch.randint(0, 64, (4, 64))
     region, measured, g = run_region(model, (x,), cg.policies.save_matmuls())
