@@ -7,7 +7,8 @@
 # the state the generator had, so recomputed values equal the forward's and the user's
 # random stream ends where it would have without checkpointing. A state equal to the one
 # the previous random op captured (the op drew nothing: SDPA without dropout) is shared, not
-# copied; a CPU generator state is 5 KiB. On a device whose default generator the engine
+# copied; a CPU generator state is 5 KiB, held until the op can no longer run (see Note
+# [Releasing kept values]). On a device whose default generator the engine
 # cannot address (``mutation.capture_rng`` returns ``None``), the outputs of a random op are
 # kept for the engine reason ``RANDOM_WITHOUT_REPLAY``, which no policy or tag overrides.
 #
