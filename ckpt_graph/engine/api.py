@@ -146,7 +146,7 @@ class save_recompute_policy:
 #   1. ``use_reentrant``, ``preserve_rng_state`` and ``early_stop`` select variants of torch's
 #      replay. A region has one mechanism, which gives the gradients of a run without
 #      checkpointing for every value of them: random ops are always replayed with the state
-#      they drew from (See Note [RNG replay] in realize.py), and only what backward needs runs.
+#      they drew from (See Note [RNG replay] in replay.py), and only what backward needs runs.
 #      They are accepted and have no effect.
 #   2. ``context_fn`` is torch's selective checkpointing: the pair of dispatch modes that
 #      ``create_selective_checkpoint_contexts(policy_fn)`` returns. Its ``policy_fn`` is

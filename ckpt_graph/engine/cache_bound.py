@@ -65,7 +65,7 @@ from ckpt_graph._sizes import parse_size
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import Handle, OpNode
-    from ckpt_graph.engine.realize import PassState
+    from ckpt_graph.engine.passes import PassState
     from ckpt_graph.engine.region import Region
 
 __all__ = [

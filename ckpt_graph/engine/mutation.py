@@ -82,7 +82,7 @@ from ckpt_graph.engine.graph import (
     arg_at,
     op_info,
 )
-from ckpt_graph.engine.realize import exact_copy
+from ckpt_graph.engine.replay import exact_copy
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region

@@ -277,7 +277,7 @@ def _record_op(region: Region, func: Any, args: tuple[Any, ...], kwargs: dict[st
 # ``layout`` / ``device`` and no tensor argument), not a list. Ops with a tensor argument
 # (``*_like``, ``new_zeros``) resolve ``None`` from that tensor, which the replay has too.
 # Other globals that change an op's result are fixed per region instead; see Note
-# [Replay globals] in realize.py.
+# [Replay globals] in replay.py.
 _OPTION_OF = {
     "dtype": lambda t: t.dtype,
     "layout": lambda t: t.layout,

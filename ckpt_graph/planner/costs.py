@@ -17,15 +17,15 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ckpt_graph.engine import realize
+from ckpt_graph.engine import passes
 from ckpt_graph.engine.graph import INPLACE_ON_KEPT, UNANNOTATED_ALIASES
+from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimValue
 from ckpt_graph.planner.workspaces import _ZERO, Workspace
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
-    from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue
 
-__all__ = ["from_region", "grad_bytes", "kept_ops_of", "workspace_of"]
+__all__ = ["from_region", "grad_bytes", "kept_ops_of", "step_grads", "workspace_of"]
 
 # Note [Unannotated aliases]
 # ``_unsafe_view`` (what ``matmul`` and ``linear`` on 3-d inputs return: ``bmm`` / ``mm``
@@ -60,6 +60,21 @@ def grad_bytes(
     ``passthrough`` ops return their output's gradient as their inputs' (``add``): the
     inputs whose gradient starts there share that buffer instead of getting their own.
     """
+    return step_grads(values, ops, floating, passthrough)[0]
+
+
+def step_grads(
+    values: Sequence[SimValue],
+    ops: Sequence[SimOp],
+    floating: Sequence[bool],
+    passthrough: Collection[int] = (),
+) -> tuple[dict[int, int], dict[int, int]]:
+    """Gradient bytes alive per step when its formula runs, and while it unpacks.
+
+    The second figure leaves out the gradients the step itself allocates (those of its
+    inputs): autograd unpacks a node's saved tensors, so recomputes them, before its
+    formula runs. See Note [Backward liveness model] rule 4.
+    """
     n = len(ops)
     last_use = [-1] * len(values)
     for j, op in enumerate(ops):
@@ -82,10 +97,13 @@ def grad_bytes(
                 buffer[r] = b
                 low[b] = min(low[b], values[r].producer)
     delta = [0] * (n + 2)
+    made = [0] * n  # gradient bytes each step allocates
     for v, first in low.items():
         end = last_use[v] if last_use[v] >= 0 else n - 1
         delta[first] += values[v].nbytes
         delta[end + 1] -= values[v].nbytes
+        if last_use[v] >= 0:  # else a region output's: there before backward starts
+            made[end] += values[v].nbytes
     out: dict[int, int] = {}
     level = 0
     for j in range(n):
@@ -101,8 +119,10 @@ def grad_bytes(
                 continue
             if values[root].producer < 0 or last_use[root] > j:
                 # a parameter's gradient, or a contribution added to an existing buffer
-                out[j] += values[i].nbytes if values[i].nbytes else values[root].nbytes
-    return out
+                extra = values[i].nbytes if values[i].nbytes else values[root].nbytes
+                out[j] += extra
+                made[j] += extra
+    return out, {j: out[j] - made[j] for j in range(n)}
 
 
 def workspace_of(workspaces: Mapping[int, Workspace] | None, index: int) -> Workspace:
@@ -131,6 +151,9 @@ def from_region(
 
     Args:
         region: a region whose forward has run (values may be released; metadata is used).
+            Generator states are those the region still holds: a dead random op dropped
+            its own (see Note [Backward liveness model] rule 9), so build the graph of a
+            region before its backward to count them.
         costs: recompute cost per op index; missing ops cost the elements of their outputs;
             ops whose outputs are all views cost 0.
         free_ops: ops whose kept outputs are left to the plan (not fixed); outputs of every
@@ -142,7 +165,6 @@ def from_region(
         >>> g = from_region(region, workspaces=measure_workspaces(region))  # doctest: +SKIP
         >>> simulate(g, kept_ops_of(region)).peak_total_bytes  # doctest: +SKIP
     """
-    from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue
 
     free = set(free_ops)
     vid: dict[int, int] = {}
@@ -155,6 +177,8 @@ def from_region(
         floating.append(inp.dtype.is_floating_point)
     ops: list[SimOp] = []
     used: set[int] = set()  # values consumed so far (ops and saves), for rule 6
+    states: dict[int, int] = {}  # id of a generator state -> its index (rule 9)
+    rng_bytes: list[int] = []
     saves = sorted(((n, id(h)) for n, h in region.saved), key=lambda e: e[0])
     next_save = 0
     for node in region.nodes:
@@ -195,11 +219,19 @@ def from_region(
         pointwise = (
             info.is_pointwise
             and not info.writes
-            and node.rng is None
+            and not info.is_random
             and len(node.outputs) == 1
             and len(outs) == 1
         )
-        ops.append(SimOp(ins, tuple(outs), cost, info.name, ws.backward, ws.recompute, pointwise))
+        rng = -1
+        if node.rng is not None:  # See Note [Backward liveness model] rule 9.
+            state = node.rng[1]
+            rng = states.setdefault(id(state), len(states))
+            if rng == len(rng_bytes):
+                rng_bytes.append(state.untyped_storage().nbytes())
+        ops.append(
+            SimOp(ins, tuple(outs), cost, info.name, ws.backward, ws.recompute, pointwise, rng)
+        )
         used.update(id(i) for i in node.inputs)
     saved = _steps_of_saves(region, vid, ops, workspaces)
     read = {values[i].storage for op in ops for i in op.inputs}
@@ -207,14 +239,18 @@ def from_region(
         if v not in read and values[v].storage == v:
             floating[v] = False
     ws_items = workspaces.items() if workspaces is not None else ()
+    passthrough = [j for j, w in ws_items if w.input_grads == 0]
+    grads, grads_in = step_grads(values, ops, floating, passthrough)
     return SimGraph(
         tuple(values),
         tuple(ops),
         tuple(saved),
         frozenset(fixed),
-        grad_bytes(values, ops, floating, [j for j, w in ws_items if w.input_grads == 0]),
-        getattr(realize, "TRANSIENT_MIN_BYTES", 0),
+        grads,
+        passes.TRANSIENT_MIN_BYTES,
         region.cache_limit,
+        tuple(rng_bytes),
+        grads_in,
     )
 
 

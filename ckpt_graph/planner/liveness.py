@@ -23,7 +23,7 @@ builds one from a recorded region.
 #    stay alive (*held*) until the step ends.
 # 2. Realize. Use counts start at the number of saved tensors per recomputed value; one sweep
 #    from the last op back marks the ops that will run and adds one use per recomputed input,
-#    exactly as ``realize.begin_pass``. A run op allocates all its outputs, caches the ones
+#    exactly as ``passes.begin_pass``. A run op allocates all its outputs, caches the ones
 #    with a pending use, drops the others at once, then releases one use of each recomputed
 #    input; a cached value is freed when its use count reaches zero. Every op runs at most
 #    once per pass (except producers of transient values, rule 7), and the recompute cost of
@@ -46,6 +46,11 @@ builds one from a recorded region.
 #    allocates beyond the input gradients: the unfolded input of a slow convolution, the
 #    normalised input of batch norm, oneDNN's reordered copies) counts at its step; its
 #    ``run_workspace`` (the same for its forward) counts whenever it runs in backward.
+#    Autograd unpacks a node's saved tensors before its formula runs, so while a step's
+#    values are recomputed the gradients that step allocates do not exist yet
+#    (``step_grad_in_bytes``); they do when its formula and workspace run. (Counting them
+#    during the recompute too put a convolution's recompute workspace on top of its
+#    consumer's input gradients: a CNN plan was predicted 12% above its measured peak.)
 #    None depend on the plan: they raise ``peak_total_bytes``, not ``peak_bytes``.
 #    Workspaces are measured once per op signature (Note [Measuring op workspaces]); without
 #    them (``from_region(region)``) they are 0, which underestimates convolutional models
@@ -64,7 +69,7 @@ builds one from a recorded region.
 # 6. An in-place op returns a new version in the storage of the written value when nothing
 #    used the old version before (the engine then keeps one tensor for both); otherwise the
 #    engine keeps a copy of the old version, and the new version has a storage of its own.
-# 7. Transient values, as ``realize._mark_transient`` marks them after the use counts: a
+# 7. Transient values, as ``passes._mark_transient`` marks them after the use counts: a
 #    recomputed value of at least ``transient_min_bytes`` made by a ``pointwise`` op, with
 #    two or more pending uses, not a view and without views, whose producer's recomputed
 #    inputs are views of kept values or else not transient, not views, with a use besides
@@ -79,9 +84,15 @@ builds one from a recorded region.
 #    order, adds values no remaining op reads to the open segment, closes segments (frontier
 #    kept as checkpoints, segment dropped, producers owed a run that adds a use to each
 #    recomputed input) and runs dropped values again when a later step needs them.
+# 9. Generator states (Note [RNG replay]): a random op holds the state it replays with
+#    while it may still run: until it is dead (rule 5) and its kept outputs have no live
+#    use either (the engine drops the state then). Random ops that drew nothing share one
+#    state. They count in ``peak_total_bytes`` only, as the
+#    planner budgets activations: a CPU state is 5 KiB, which matters in tiny test models
+#    only. (Not modelled, they made the measured peaks of such models look up to 17% below
+#    the prediction once the engine dropped them early in backward.)
 # Known limitations: the unpacked values of kept tensors are aliases (no memory); the
-# order of allocations inside a step is not modelled (the gradients of a step's inputs are
-# counted while its saved tensors are recomputed); the engine's ready queue may run
+# order of allocations inside a step's formula is not modelled; the engine's ready queue may run
 # independent branches in another order than the reverse forward order; memory outside the
 # region (the loss when computed outside it) is not counted, nor are values the program
 # still references after the region released them (a kept region output held by the
@@ -90,11 +101,11 @@ builds one from a recorded region.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
 from ckpt_graph.planner.costs import from_region, kept_ops_of
 from ckpt_graph.planner.liveness_bound import Bound
+from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimResult, SimValue
 from ckpt_graph.planner.workspaces import Workspace, measure_workspaces
 
 __all__ = [
@@ -108,111 +119,6 @@ __all__ = [
     "measure_workspaces",
     "simulate",
 ]
-
-
-@dataclass(frozen=True)
-class SimValue:
-    """One value: an op output or a region input.
-
-    Attributes:
-        nbytes: bytes of the value's storage if it owns it (ignored for views).
-        producer: index of the producing op, -1 for a region input.
-        storage: id of the value owning the storage (itself unless a view).
-        is_view: whether the engine sees the value as a view (rule 7); ``None`` means
-            ``storage`` differs from its own id (an in-place result sharing the storage of
-            the old version is not a view).
-    """
-
-    nbytes: int
-    producer: int
-    storage: int
-    is_view: bool | None = None
-
-
-@dataclass(frozen=True)
-class SimOp:
-    """One op: value ids in and out, and its recompute cost.
-
-    Attributes:
-        inputs: distinct value ids it reads.
-        outputs: value ids it makes (tensor outputs only).
-        cost: recompute cost of one run.
-        name: op name, for reports.
-        workspace: bytes its backward formula allocates beyond the input gradients (rule 4).
-        run_workspace: bytes it allocates beyond its outputs when it runs again (rule 4).
-        pointwise: it may run again at each use of its value (rule 7): elementwise, not
-            random, not in place, one output.
-    """
-
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    cost: int
-    name: str = ""
-    workspace: int = 0
-    run_workspace: int = 0
-    pointwise: bool = False
-
-
-@dataclass(frozen=True)
-class SimGraph:
-    """A region's graph as the simulator sees it (no framework objects).
-
-    Attributes:
-        values: every value, indexed by id.
-        ops: the ops in forward (topological) order.
-        saved: ``(step op index, value id)`` per saved tensor, in forward order.
-        fixed: value ids kept whatever the plan says (region inputs are always kept).
-        step_grad_bytes: gradient bytes alive at each step (op index), see Note [Backward
-            liveness model] rule 4; empty for graphs without gradients.
-        transient_min_bytes: smaller values are never transient (rule 7; the engine's
-            ``realize.TRANSIENT_MIN_BYTES``).
-        cache_limit: the region's ``cache_limit`` (rule 8); ``"unbounded"`` caches every
-            recomputed value until its last use.
-
-    Example:
-        >>> g = SimGraph(
-        ...     values=(SimValue(8, -1, 0), SimValue(8, 0, 1), SimValue(8, 1, 2)),
-        ...     ops=(SimOp((0,), (1,), 5), SimOp((1,), (2,), 5)),
-        ...     saved=((1, 1), (1, 2)),
-        ... )
-        >>> simulate(g, []).recompute_cost, simulate(g, [0, 1]).peak_bytes
-        (10, 16)
-    """
-
-    values: tuple[SimValue, ...]
-    ops: tuple[SimOp, ...]
-    saved: tuple[tuple[int, int], ...]
-    fixed: frozenset[int] = frozenset()
-    step_grad_bytes: Mapping[int, int] = field(default_factory=dict)
-    transient_min_bytes: int = 0
-    cache_limit: int | str | None = "unbounded"
-
-    def saved_bytes(self) -> int:
-        """Activation bytes kept without checkpointing: distinct op-made saved storages."""
-        roots = {self.values[v].storage for _, v in self.saved}
-        return sum(self.values[s].nbytes for s in roots if self.values[s].producer >= 0)
-
-
-@dataclass(frozen=True)
-class SimResult:
-    """What one simulated backward pass costs.
-
-    Attributes:
-        peak_bytes: highest activation memory (kept + cached + held storages).
-        peak_total_bytes: highest activation + gradient + workspace memory (rule 4).
-        kept_bytes: storages of kept values some saved tensor still needs when backward starts.
-        recompute_cost: summed cost of the op runs in backward.
-        recomputed_ops: number of op runs in backward (the producer of a transient value
-            counts once per run, as ``PassState.recomputed_ops``).
-        peak_step: op index of the step where ``peak_total_bytes`` was reached (-1 if none).
-    """
-
-    peak_bytes: int
-    peak_total_bytes: int
-    kept_bytes: int
-    recompute_cost: int
-    recomputed_ops: int
-    peak_step: int
 
 
 def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
@@ -261,13 +167,21 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
     if bound is not None and bound.limit == 0:
         bound = None
     transient = _mark_transient(g, kept, pending) if bound is None else [False] * nv
+    rng_refs = [0] * len(g.rng_bytes)  # rule 9: ops holding each generator state
+    holds = [False] * n
+    for j in range(n):
+        if ops[j].rng >= 0 and (needed[j] or any(live[o] > 0 for o in ops[j].outputs)):
+            holds[j] = True
+            rng_refs[ops[j].rng] += 1
+    rng_level = sum(b for b, k in zip(g.rng_bytes, rng_refs, strict=True) if k)
     refs: dict[int, int] = {}
     cached = [False] * nv
     pins = [0] * nv
     ran = [False] * n
+    runs = [0] * n
     level = peak = peak_total = cost = count = 0
     peak_step = step = -1
-    grads = g.step_grad_bytes
+    grads, grads_in = g.step_grad_bytes, g.step_grad_in_bytes
 
     def acquire(v: int) -> None:
         nonlocal level
@@ -309,16 +223,19 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
         if cached[v]:
             drop(v)
 
-    def check(extra: int) -> None:
+    def check(extra: int, formula: bool = False) -> None:
         nonlocal peak, peak_total, peak_step
         peak = max(peak, level)
-        total = level + grads.get(step, 0) + extra
+        # while recomputing for the step's unpacks, its own gradients are not made yet
+        grad = grads.get(step, 0) if formula else grads_in.get(step, grads.get(step, 0))
+        total = level + rng_level + grad + extra
         if total > peak_total:
             peak_total, peak_step = total, step
 
     def run(j: int) -> None:
         nonlocal cost, count
         ran[j] = True
+        runs[j] += 1
         op = ops[j]
         cost += op.cost
         count += 1
@@ -351,6 +268,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
         op = ops[j]
         cost += op.cost
         count += 1
+        runs[j] += 1
         owed[j] = False
         for o in op.outputs:
             acquire(o)
@@ -481,22 +399,34 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
                     if not cached[i]:
                         stack.append((values[i].producer, False))
 
-    def lose(v: int) -> None:  # rule 5, as realize.lose_use
+    def drop_rng(j: int) -> None:  # rule 9, as release._drop_rng_if_dead
+        nonlocal rng_level
+        if holds[j] and not needed[j] and not any(live[o] > 0 for o in ops[j].outputs):
+            holds[j] = False
+            r = ops[j].rng
+            rng_refs[r] -= 1
+            if rng_refs[r] == 0:
+                rng_level -= g.rng_bytes[r]
+
+    def lose(v: int) -> None:  # rule 5, as release.lose_use
         stack = [v]
         while stack:
             v = stack.pop()
             live[v] -= 1
             if live[v] != 0:
                 continue
+            p = values[v].producer
             if kept[v]:
                 release(v)
+                if p >= 0:
+                    drop_rng(p)
                 continue
-            p = values[v].producer
             if p < 0 or not needed[p]:
                 continue
             if any(not kept[o] and live[o] > 0 for o in ops[p].outputs):
                 continue
             needed[p] = False
+            drop_rng(p)
             stack.extend(ops[p].inputs)
 
     for step in range(n - 1, -1, -1):
@@ -510,20 +440,20 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             acquire(v)
             held.append(v)
             use(v)
-        check(ops[step].workspace)
+        check(ops[step].workspace, formula=True)
         for v in held:
             release(v)
         for v in saves:
             lose(v)
     if not g.saved:
-        peak = peak_total = kept_bytes
-    return SimResult(peak, peak_total, kept_bytes, cost, count, peak_step)
+        peak, peak_total = kept_bytes, kept_bytes + rng_level
+    return SimResult(peak, peak_total, kept_bytes, cost, count, peak_step, tuple(runs))
 
 
 def _mark_transient(g: SimGraph, kept: list[bool], pending: list[int]) -> list[bool]:
     """Recomputed values run again at each use instead of cached (rule 7).
 
-    Mirrors ``realize._mark_transient`` (Note [Transient values]); adds the extra uses of
+    Mirrors ``passes._mark_transient`` (Note [Transient values]); adds the extra uses of
     the producers' inputs to ``pending``.
     """
     values, ops, least = g.values, g.ops, g.transient_min_bytes

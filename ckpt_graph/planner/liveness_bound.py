@@ -1,6 +1,6 @@
 """The liveness simulator's state of a bounded pass (Note [Backward liveness model] rule 8).
 
-Mirrors ``realize.PassState`` and ``cache_bound.segment_limit`` (Note [Bounded recompute
+Mirrors ``passes.PassState`` and ``cache_bound.segment_limit`` (Note [Bounded recompute
 cache]): the segment size computed from the same use counts, the realize's reads, the open
 segment and the checkpoints. ``simulate`` drives it.
 """
@@ -11,13 +11,13 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ckpt_graph.planner.liveness import SimGraph
+    from ckpt_graph.planner.sim_graph import SimGraph
 
 __all__ = ["Bound"]
 
 
 class Bound:
-    """The state of a bounded pass (rule 8), mirroring ``realize.PassState``.
+    """The state of a bounded pass (rule 8), mirroring ``passes.PassState``.
 
     Attributes:
         limit: bytes per segment (``cache_bound.segment_limit``), 0 when the pass is not bounded.

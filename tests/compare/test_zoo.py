@@ -19,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import ckpt_graph as cg
 from ckpt_graph import policies
-from ckpt_graph.engine import realize
+from ckpt_graph.engine import passes
 
 # name -> (outer policy, {block index: inner policy}, tag block outputs)
 CONFIGS: dict[str, tuple[Any, dict[int, Any], bool]] = {
@@ -215,12 +215,12 @@ def test_random_op_chains(
     steps: list[tuple[int, int, int]], plan: tuple[Any, Any], transient: bool
 ) -> None:
     # ``transient``: let the small values of these programs be transient (Note [Transient values]).
-    default = realize.TRANSIENT_MIN_BYTES
-    realize.TRANSIENT_MIN_BYTES = 0 if transient else default
+    default = passes.TRANSIENT_MIN_BYTES
+    passes.TRANSIENT_MIN_BYTES = 0 if transient else default
     try:
         _random_op_chain(steps, plan)
     finally:
-        realize.TRANSIENT_MIN_BYTES = default
+        passes.TRANSIENT_MIN_BYTES = default
 
 
 def _random_op_chain(steps: list[tuple[int, int, int]], plan: tuple[Any, Any]) -> None:

@@ -1,6 +1,6 @@
 """The bounded recompute cache: one region over a whole model saves memory by itself.
 
-See Note [Bounded recompute cache] in ``ckpt_graph/realize.py``. Gradients are compared
+See Note [Bounded recompute cache] in ``ckpt_graph/engine/cache_bound.py``. Gradients are compared
 bitwise with a run without checkpointing, peaks are measured with ``ckpt_graph.memory``
 against ``torch.utils.checkpoint`` per block, and recompute is counted with the region's
 own statistics (``PassState.recomputed_ops``: one per op run in backward).
@@ -24,22 +24,22 @@ from torch.utils.checkpoint import checkpoint
 import ckpt_graph as cg
 from ckpt_graph import CkptGraphError
 from ckpt_graph.compare.zoo import Workload, build_workload
-from ckpt_graph.engine import realize
+from ckpt_graph.engine import passes
 from ckpt_graph.memory import measure
-from ckpt_graph.planner.liveness import from_region, kept_ops_of, measure_workspaces, simulate
+from ckpt_graph.planner.liveness import kept_ops_of, simulate
 
 
 @pytest.fixture
 def tiny_segments(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bound every pass with 1-byte segments: every value that can be dropped is dropped, so
     nearly every op runs again at least once (the harshest test of exactness)."""
-    original = realize.segment_limit
+    original = passes.segment_limit
 
     def tiny(region: cg.Region, last: dict[Any, int]) -> int:
         original(region, last)  # sets the pass's mean frontier
         return 1
 
-    monkeypatch.setattr(realize, "segment_limit", tiny)
+    monkeypatch.setattr(passes, "segment_limit", tiny)
 
 
 # ----------------------------------------------------------------------------- cache_limit
@@ -291,9 +291,8 @@ def test_explicit_cache_limit_trades_memory_for_recompute_and_warns_when_infeasi
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
 def test_simulator_predicts_the_bounded_peak_and_recompute(name: str) -> None:
     w = build_workload(name, layers=8, width=64, batch=2 if name == "gpt" else 128, seq_len=32)
-    region, measured = run_region(w.model, w.inputs, "recompute_all", w.loss)
+    region, measured, g = run_region(w.model, w.inputs, "recompute_all", w.loss)
     assert region._pass.closed_segments > 0
-    g = from_region(region, workspaces=measure_workspaces(region))
     result = simulate(g, kept_ops_of(region))
     assert result.recomputed_ops == region._pass.recomputed_ops
     assert abs(result.peak_total_bytes - measured) <= 0.10 * measured, (

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 import ckpt_graph as cg
-from ckpt_graph.engine import realize
+from ckpt_graph.engine import passes
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +28,7 @@ def _transient_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let the small values of these cases be transient (see Note [Transient values]), so that
     every case also checks the engine's recompute-at-each-use path; the default path is what
     the other test modules run."""
-    monkeypatch.setattr(realize, "TRANSIENT_MIN_BYTES", 0)
+    monkeypatch.setattr(passes, "TRANSIENT_MIN_BYTES", 0)
 
 
 POLICIES = ["recompute_all", "must_save_all", save_matmuls]

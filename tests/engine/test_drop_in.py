@@ -678,22 +678,54 @@ def test_kept_bytes_count_copies_taken_before_a_write() -> None:
     _assert_same([w.grad], want)  # type: ignore[list-item]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 14 item 21: dropping a dead node's generator state made the liveness "
-    "simulator's predicted peaks miss the measured ones by up to 17% (tests/planner/"
-    "test_liveness.py), which suggests a node taken for dead can still run; reverted "
-    "until that is understood",
-)
 def test_dead_random_op_drops_its_generator_state() -> None:
-    x = torch.randn(8, requires_grad=True)
-    with cg.save_recompute_policy("recompute_all") as region:
+    def fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out1 = nn.functional.dropout(x, 0.5).sin().sum()
         out2 = nn.functional.dropout(x, 0.5).cos().sum()
         nn.functional.dropout(x, 0.5).sum()  # nothing saved needs it: dead at exit
-    first, second, third = [n for n in region.nodes if n.info.is_random]
+        return out1, out2
+
+    x = torch.randn(64, requires_grad=True)
+    torch.manual_seed(0)
+    out1, out2 = fwd(x)
+    (g1,) = torch.autograd.grad(out1, x)
+    (g2,) = torch.autograd.grad(out2, x)
+    torch.manual_seed(0)
+    with cg.save_recompute_policy("recompute_all") as region:
+        out1, out2 = fwd(x)
+    after = torch.rand(3)  # the user's random stream continues as without the region
+    first, second, third = [n for n in region.nodes if n.info.name == "aten.bernoulli_.float"]
     assert third.rng is None
     assert first.rng is not None and second.rng is not None
-    out1.backward()  # the first dropout can no longer run
-    assert first.rng is None and second.rng is not None
-    out2.backward()
+    torch.testing.assert_close(torch.autograd.grad(out1, x)[0], g1, rtol=0, atol=0)
+    assert first.rng is None and second.rng is not None  # the first can no longer run
+    torch.testing.assert_close(torch.autograd.grad(out2, x)[0], g2, rtol=0, atol=0)
+    assert second.rng is None
+    torch.manual_seed(0)
+    fwd(x.detach())
+    torch.testing.assert_close(after, torch.rand(3), rtol=0, atol=0)
+
+
+def test_kept_random_value_changed_after_the_region_keeps_its_generator_state() -> None:
+    # r is kept (tagged) and only read to recompute 2 * r: its op is not needed by any
+    # saved tensor, yet writing r after the region makes the region recompute r (Note
+    # [Kept values changed after the region]), which needs the generator state.
+    def fwd(x: torch.Tensor, tag: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        r = torch.rand_like(x)
+        if tag:
+            cg.tag_with_policy(r, True)
+        return r, (x * (2 * r)).sin().sum()
+
+    x = torch.randn(64, requires_grad=True)
+    torch.manual_seed(0)
+    r, y = fwd(x, False)
+    r.add_(1)
+    (want,) = torch.autograd.grad(y, x)
+    torch.manual_seed(0)
+    with cg.save_recompute_policy("recompute_all") as region:
+        r, y = fwd(x, True)
+    (node,) = [n for n in region.nodes if n.info.is_random]
+    assert node.rng is not None
+    r.add_(1)
+    torch.testing.assert_close(torch.autograd.grad(y, x)[0], want, rtol=0, atol=0)
+    assert node.rng is None  # released with r's last use

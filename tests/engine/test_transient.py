@@ -1,8 +1,8 @@
 """Transient values: cheap pointwise values recomputed at each use instead of cached.
 
-See Note [Transient values] in ``ckpt_graph/engine/realize.py``. Each test compares against a run
+See Note [Transient values] in ``ckpt_graph/engine/passes.py``. Each test compares against a run
 without checkpointing (bitwise, float64) and, for memory, against the same region with the
-transient rule switched off (``realize._mark_transient`` replaced by a no-op), measured with
+transient rule switched off (``passes._mark_transient`` replaced by a no-op), measured with
 ``ckpt_graph.memory``.
 """
 
@@ -22,7 +22,7 @@ from torch.utils.checkpoint import (
 )
 
 import ckpt_graph as cg
-from ckpt_graph.engine import realize
+from ckpt_graph.engine import passes
 from ckpt_graph.memory import measure
 
 
@@ -48,13 +48,13 @@ class Residual(nn.Module):
 
 
 def _no_transient(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(realize, "_mark_transient", lambda region: None)
+    monkeypatch.setattr(passes, "_mark_transient", lambda region: None)
 
 
 @pytest.fixture
 def small_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let the small float64 values of the exactness tests be transient."""
-    monkeypatch.setattr(realize, "TRANSIENT_MIN_BYTES", 0)
+    monkeypatch.setattr(passes, "TRANSIENT_MIN_BYTES", 0)
 
 
 @pytest.mark.usefixtures("small_values")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -141,7 +141,7 @@ def pointwise_graph(pointwise: bool) -> SimGraph:
 
 
 def test_transient_values_run_at_each_use_instead_of_staying_cached() -> None:
-    # See Note [Transient values] (realize.py): h is dropped after step 2 and runs again
+    # See Note [Transient values] (passes.py): h is dropped after step 2 and runs again
     # at step 0, so it is not cached while B is realized at step 1.
     cached = simulate(pointwise_graph(False), [])
     transient = simulate(pointwise_graph(True), [])
@@ -157,34 +157,47 @@ def test_transient_values_run_at_each_use_instead_of_staying_cached() -> None:
 # --------------------------------------------------------------------------- regions
 
 
+class Run(NamedTuple):
+    """One measured step of a region: what ``run_region`` returns."""
+
+    region: cg.Region
+    measured: int  # peak bytes of the backward, see run_region
+    graph: SimGraph  # built before the backward, with measured workspaces
+
+
 def run_region(
     model: torch.nn.Module,
     inputs: tuple[Any, ...],
     policy: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     steps: int = 2,
-) -> tuple[cg.Region, int]:
-    """Run forward + backward ``steps`` times; return the last region and its measured peak.
+    cache_limit: int | str | None = None,
+) -> Run:
+    """Run forward + backward ``steps`` times; measure the last step.
 
     The last step is measured whole (forward and backward in one ``measure``), so frees of
     kept values during backward are seen (a measure of ``backward`` alone ignores frees of
-    blocks allocated before it). The peak is the bytes the region keeps when backward
-    starts plus the highest level backward reaches above the level it started from.
-    Parameter gradients are preallocated and accumulate in place: not part of the peak.
-    ``loss_fn`` (in the region) maps the output to the loss; without it the loss is
-    ``y.pow(2).sum()`` outside the region.
+    blocks allocated before it). The peak is the bytes the region holds when backward
+    starts (kept values and generator states) plus the highest level backward reaches
+    above the level it started from. Parameter gradients are preallocated and accumulate
+    in place: not part of the peak. ``loss_fn`` (in the region) maps the output to the
+    loss; without it the loss is ``y.pow(2).sum()`` outside the region. The simulator's
+    graph is built between forward and backward, while the region still holds every
+    generator state it may replay (Note [Backward liveness model] rule 9); the workspaces
+    of the earlier steps' ops are memoised, so measuring them there allocates nothing.
     """
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     box: dict[str, Any] = {}
 
     def step() -> None:
-        with cg.save_recompute_policy(policy) as region:
+        with cg.save_recompute_policy(policy, cache_limit=cache_limit) as region:
             y = model(*inputs)
             if loss_fn is not None:
                 y = loss_fn(y)
         loss = y if loss_fn is not None else y.pow(2).sum()
-        box["region"], box["kept"] = region, live_kept_bytes(region)
+        box["region"], box["kept"] = region, held_bytes(region)
+        box["graph"] = from_region(region, workspaces=measure_workspaces(region))
         loss.backward()
 
     for _ in range(steps - 1):
@@ -193,11 +206,12 @@ def run_region(
     start = next(k for k, p in enumerate(timeline) if p.phase != "forward")
     base = timeline[start - 1].allocated_bytes if start else 0
     rise = max(p.allocated_bytes for p in timeline[start:]) - base
-    return box["region"], box["kept"] + rise
+    return Run(box["region"], box["kept"] + rise, box["graph"])
 
 
-def live_kept_bytes(region: cg.Region) -> int:
-    """Bytes of the storages the region still keeps (region inputs excluded)."""
+def held_bytes(region: cg.Region) -> int:
+    """Bytes of the storages the region holds: kept values (region inputs excluded) and
+    generator states."""
     refs = [h.ref() if h.ref is not None else None for h in region.inputs]
     inputs = {t.untyped_storage().data_ptr() for t in refs if t is not None}
     storages = {}
@@ -207,12 +221,14 @@ def live_kept_bytes(region: cg.Region) -> int:
                 st = h.value.untyped_storage()
                 if st.data_ptr() not in inputs:
                     storages[st.data_ptr()] = st.nbytes()
+        if node.rng is not None:
+            st = node.rng[1].untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
     return sum(storages.values())
 
 
-def predicted_peak(region: cg.Region) -> int:
-    g = from_region(region, workspaces=measure_workspaces(region))
-    return simulate(g, kept_ops_of(region)).peak_total_bytes
+def predicted_peak(run: Run) -> int:
+    return simulate(run.graph, kept_ops_of(run.region)).peak_total_bytes
 
 
 def gpt() -> tuple[torch.nn.Module, torch.Tensor]:
@@ -238,7 +254,7 @@ def test_simulator_counts_the_ops_the_engine_recomputes(name: str, policy: Any) 
     model, x = build(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        region, _ = run_region(model, (x,), resolve(policy), steps=2 if policy == "budget" else 1)
+        region = run_region(model, (x,), resolve(policy), steps=2 if policy == "budget" else 1)[0]
     r = simulate(from_region(region), kept_ops_of(region))
     assert r.recomputed_ops == region._pass.recomputed_ops
 
@@ -249,8 +265,8 @@ def test_simulated_backward_peak_within_10_percent_of_measured(name: str, policy
     model, x = build(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        region, measured = run_region(model, (x,), resolve(policy))
-    predicted = predicted_peak(region)
+        run = run_region(model, (x,), resolve(policy))
+    predicted, measured = predicted_peak(run), run.measured
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
 
 
@@ -263,17 +279,16 @@ def test_embedded_workloads_with_the_loss_in_the_region(name: str, policy: str) 
     pol = cg.policies.save_matmuls() if policy == "save_matmuls" else resolve(policy)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        region, measured = run_region(w.model, w.inputs, pol, w.loss)
-    predicted = predicted_peak(region)
+        run = run_region(w.model, w.inputs, pol, w.loss)
+    predicted, measured = predicted_peak(run), run.measured
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
 
 
 def test_transient_values_of_one_save_matmuls_region_over_a_gpt() -> None:
-    # Residual values of 64 KiB: at realize.TRANSIENT_MIN_BYTES, so they may be transient.
+    # Residual values of 64 KiB: at passes.TRANSIENT_MIN_BYTES, so they may be transient.
     torch.manual_seed(0)
     model, x = GPT(64, 64, 2, 2, 64).train(), torch.randint(0, 64, (4, 64))
-    region, measured = run_region(model, (x,), cg.policies.save_matmuls())
-    g = from_region(region, workspaces=measure_workspaces(region))
+    region, measured, g = run_region(model, (x,), cg.policies.save_matmuls())
     r = simulate(g, kept_ops_of(region))
     assert r.recomputed_ops == region._pass.recomputed_ops
     assert any(n.realized > 1 for n in region.nodes)  # some values ran once per use
@@ -324,15 +339,15 @@ def test_baseline_is_what_plain_autograd_keeps_after_forward(name: str) -> None:
     assert steps == sorted(steps) and all(0 <= s < len(g.ops) for s in steps)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known: with pointwise ops costed at 4 FLOPs per byte, the cnn plan's measured "
-    "backward peak is 12% above the simulated one (32256 vs 28768 bytes); not yet explained",
-)
 def test_simulated_peak_of_a_bytes_heavy_cnn_plan() -> None:
+    # Pointwise ops costed at 4 FLOPs per byte: the plan recomputes both convolutions of
+    # the first block while the mul after them unpacks. The peak is the convolution's
+    # recompute workspace (20 KiB) plus the gradients alive *before* that step (Note
+    # [Backward liveness model] rule 4): counting the mul's input gradients too put the
+    # prediction 12% above the measured peak.
     model, x = build("cnn")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        region, measured = run_region(model, (x,), memory_budget(0.5, flops_per_byte=4.0), steps=2)
-    predicted = predicted_peak(region)
-    assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)
+        run = run_region(model, (x,), memory_budget(0.5, flops_per_byte=4.0), steps=2)
+    predicted, measured = predicted_peak(run), run.measured
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)

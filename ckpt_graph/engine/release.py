@@ -1,0 +1,92 @@
+"""Kept values released as autograd releases the saved tensors that need them.
+
+# Note [Releasing kept values]
+# A kept value is needed as long as a saved tensor refers to it, or a saved tensor of a
+# recomputed value whose recomputation would read it. When the region exits, every handle
+# gets ``live`` = its live saved tensors + the op nodes that take it as input and could
+# still have to run (one sweep from the last node back, as for the pass use counts). Kept
+# values with no live use are released at once. Afterwards, each saved tensor autograd
+# releases (after its backward node ran, or when the graph is dropped) takes one live use
+# of its handle; a recomputed handle that drops to zero makes its producer dead once all
+# its recomputed outputs are, which takes a use of each of the producer's inputs, and so
+# on; a kept handle that drops to zero is released. So a kept block input is freed right
+# after the last backward node that could need it, as autograd frees a saved tensor. An op
+# node that is dead and whose kept outputs have no live use either never runs again: its
+# generator state (Note [RNG replay]) is dropped (a CPU state is 5 KiB per random op).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ckpt_graph.engine.graph import Handle, OpNode
+    from ckpt_graph.engine.region import Region
+
+__all__ = ["count_live_uses", "lose_use"]
+
+
+def count_live_uses(region: Region) -> None:
+    """Set ``Handle.live`` at region exit; release unneeded kept values.
+
+    See Note [Releasing kept values].
+    """
+    for node in reversed(region.nodes):
+        needed = False
+        for o in node.outputs:
+            if o is not None:
+                o.live += o.packs
+                if o.reason is None and o.live > 0:
+                    needed = True
+        node.live = needed
+        if needed:
+            for i in node.inputs:
+                i.live += 1
+        elif node.rng is not None:
+            _drop_rng_if_dead(node)
+    for h in region.inputs:
+        h.live += h.packs
+    for h in region.inputs:
+        if h.live == 0:
+            h.value = None
+    for node in region.nodes:
+        for o in node.outputs:
+            if o is not None and o.reason is not None and o.live == 0:
+                o.value = None
+
+
+def lose_use(region: Region, h: Handle) -> None:
+    """A saved tensor of ``h`` was released. See Note [Releasing kept values]."""
+    nodes = region.nodes
+    stack = [h]
+    while stack:
+        h = stack.pop()
+        h.live -= 1
+        if h.live > 0:
+            continue
+        if h.reason is not None:
+            h.value = None
+            if h.node_index >= 0 and nodes[h.node_index].rng is not None:
+                _drop_rng_if_dead(nodes[h.node_index])
+            continue
+        if h.node_index < 0:
+            continue
+        node = nodes[h.node_index]
+        if not node.live or any(
+            o is not None and o.reason is None and o.live > 0 for o in node.outputs
+        ):
+            continue
+        node.live = False
+        if node.rng is not None:
+            _drop_rng_if_dead(node)
+        stack.extend(node.inputs)
+
+
+def _drop_rng_if_dead(node: OpNode) -> None:
+    """Drop the generator state of a node that can no longer run.
+
+    A node with a kept output still in use stays able to run: Note [Kept values changed
+    after the region] may recompute that output. See Note [Releasing kept values].
+    """
+    if not node.live and not any(o is not None and o.live > 0 for o in node.outputs):
+        node.rng = None

@@ -1,0 +1,183 @@
+"""Replay: run a recorded op again as the forward ran it.
+
+# Note [RNG replay]
+# Random ops (``torch.Tag.nondeterministic_seeded``) record the state of their generator
+# just before they ran in forward: the explicit ``generator=`` argument's, or else the
+# default generator of their device. Replaying sets that state, runs the op and restores
+# the state the generator had, so recomputed values equal the forward's and the user's
+# random stream ends where it would have without checkpointing. A state equal to the one
+# the previous random op captured (the op drew nothing: SDPA without dropout) is shared, not
+# copied; a CPU generator state is 5 KiB, held until the op can no longer run (see Note
+# [Releasing kept values]). On a device whose default generator the engine
+# cannot address (``mutation.capture_rng`` returns ``None``), the outputs of a random op are
+# kept for the engine reason ``RANDOM_WITHOUT_REPLAY``, which no policy or tag overrides.
+#
+# Replay context (``_enter_replay``, for ``realize`` and ``realize_again``): no grad
+# (unpacked values must be plain tensors; autograd re-attaches them to the original graph,
+# which also makes ``create_graph=True`` work), autocast off (the recorded ops already carry
+# the casts autocast made), nothing recorded, the forward's settings (Note [Replay globals]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from ckpt_graph.engine.graph import OpNode
+    from ckpt_graph.engine.region import Region
+
+__all__ = ["REPLAY_GLOBALS", "exact_copy", "replay_globals"]
+
+
+def exact_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with the same sizes, strides and storage offset, in new storage."""
+    with torch.no_grad():
+        if (
+            t.is_contiguous()
+            and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        ):
+            return t.clone()
+        storage = t.untyped_storage().clone()
+        return torch.empty((0,), dtype=t.dtype, device=t.device).set_(
+            storage, t.storage_offset(), t.size(), t.stride()
+        )
+
+
+@contextlib.contextmanager
+def _autocast_off() -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+_set_grad_enabled = torch._C._set_grad_enabled
+_is_any_autocast_enabled = torch._C._is_any_autocast_enabled
+
+# Note [Replay globals]
+# Besides arguments, an op's result can depend on process-wide settings: the number of
+# intra-op threads (a CPU reduction sums in chunks per thread: ``x.sum()`` of 10^6 values
+# differs in the last bits between 1 and 2 threads), ``torch.use_deterministic_algorithms``
+# (kernel choice, and NaN-filled ``empty``), ``torch.set_float32_matmul_precision``
+# (reduced-precision matmul kernels) and whether oneDNN is enabled. A backward may run
+# under other settings than its forward (a data loader thread changing the thread count,
+# a test toggling determinism), so the region reads them when it opens (``Region._globals``)
+# and recompute runs under those (``_replay_globals``): each differing one is set for the
+# duration of a ``realize`` and restored after. Changing one inside an open region would
+# leave ops of one region with two settings: closing the region then raises (see
+# ``Region._close_region``). Others are handled elsewhere: factory ops record the dtype,
+# layout and device they produced (Note [Factory ops] in record.py); recompute runs with
+# autocast off and no grad, whatever the backward has (the recorded ops carry autocast's
+# casts, and grad mode does not change values).
+REPLAY_GLOBALS: tuple[tuple[str, Any, Any], ...] = (
+    (
+        "torch.use_deterministic_algorithms",
+        lambda: (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
+        lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1]),
+    ),
+    (
+        "torch.set_float32_matmul_precision",
+        torch.get_float32_matmul_precision,
+        torch.set_float32_matmul_precision,
+    ),
+    ("torch.backends.mkldnn.enabled", torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled),
+    ("torch.set_num_threads", torch.get_num_threads, torch.set_num_threads),
+)
+
+
+def replay_globals() -> tuple[Any, ...]:
+    """The current values of the settings in ``REPLAY_GLOBALS``."""
+    return tuple(get() for _, get, _ in REPLAY_GLOBALS)
+
+
+@contextlib.contextmanager
+def _replay_globals(region: Region) -> Iterator[None]:
+    """Run under the settings the region's forward had. See Note [Replay globals]."""
+    want = region._globals
+    now = replay_globals()
+    if want is None or now == want:
+        yield
+        return
+    changed = [(i, now[i]) for i in range(len(now)) if now[i] != want[i]]
+    for i, _ in changed:
+        REPLAY_GLOBALS[i][2](want[i])
+    try:
+        yield
+    finally:
+        for i, v in changed:
+            REPLAY_GLOBALS[i][2](v)
+
+
+_Replay = tuple[bool, bool, Any, Any]
+
+
+def _enter_replay(region: Region) -> _Replay:
+    """Enter the replay context (see Note [Realize order]): nothing recorded, no grad, no
+    autocast, the forward's settings. Returns what :func:`_exit_replay` restores.
+
+    Plain functions rather than a context manager: this runs once per unpack that
+    recomputes, where a generator-based manager costs measurable time.
+    """
+    recording = region._recording  # False inside a policy's call, even in an open region
+    region._recording = False
+    grad_was = torch.is_grad_enabled()
+    _set_grad_enabled(False)
+    autocast = _autocast_off() if _is_any_autocast_enabled() else None
+    if autocast is not None:
+        autocast.__enter__()
+    settings = _replay_globals(region)
+    settings.__enter__()
+    return recording, grad_was, autocast, settings
+
+
+def _exit_replay(region: Region, replay: _Replay) -> None:
+    """Leave the replay context entered by :func:`_enter_replay`."""
+    recording, grad_was, autocast, settings = replay
+    settings.__exit__(None, None, None)
+    if autocast is not None:
+        autocast.__exit__(None, None, None)
+    _set_grad_enabled(grad_was)
+    region._recording = recording
+
+
+def _fresh_alias(t: torch.Tensor) -> torch.Tensor:
+    """An alias of ``t`` (same storage and geometry) with a version counter of its own."""
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        alias = t.as_strided(t.size(), t.stride(), t.storage_offset())
+    return alias
+
+
+# Note [Ops that read grad mode]
+# A few kernels decide from grad mode whether to return what their backward needs: on CPU
+# ``mkldnn_rnn_layer`` (nn.LSTM) returns its workspace only with grad enabled. The forward
+# ran them with grad enabled; recompute runs with grad disabled (see the replay context),
+# so these ops run with grad enabled again, below autograd (no graph is built).
+_GRAD_MODE_OPS = frozenset(
+    op
+    for name in ("mkldnn_rnn_layer", "_cudnn_rnn", "miopen_rnn")
+    if (op := getattr(getattr(torch.ops.aten, name, None), "default", None)) is not None
+)
+
+
+def _call(node: OpNode, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    if node.op in _GRAD_MODE_OPS:
+        with torch._C._AutoDispatchBelowAutograd(), torch.enable_grad():
+            return node.op(*args, **kwargs)
+    if node.rng is None:
+        return node.op(*args, **kwargs)
+    gen, state = node.rng
+    before = gen.get_state()
+    gen.set_state(state)
+    try:
+        return node.op(*args, **kwargs)
+    finally:
+        gen.set_state(before)

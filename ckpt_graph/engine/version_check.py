@@ -1,0 +1,85 @@
+"""Checks that a saved value is still the one the forward saved (version counters)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ckpt_graph._errors import CkptGraphError
+from ckpt_graph.engine import graph
+from ckpt_graph.engine.debug import check_kept
+from ckpt_graph.engine.graph import version_of
+
+if TYPE_CHECKING:
+    from ckpt_graph.engine.graph import Handle
+    from ckpt_graph.engine.region import Region
+
+
+def _where(h: Handle, region: Region) -> str:
+    """Which value of the region ``h`` is, for error messages."""
+    if h.node_index >= 0:
+        return f"output {h.index} of {region.nodes[h.node_index].info.name} (op #{h.node_index})"
+    if h.reason == graph.MUTATED_ALIAS:
+        return (
+            f"value #{h.index} the region took as it was after an in-place op on an alias "
+            "(a snapshot)"
+        )
+    return f"input #{h.index} of the region"
+
+
+def _version_error(h: Handle, region: Region, current: int) -> CkptGraphError:
+    where = _where(h, region)
+    return CkptGraphError(
+        "ckpt_graph: one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: [{h.dtype} {list(h.shape)}], which is {where}, is at version "
+        f"{current}; expected version {h.version} instead. Hint: do not modify a tensor in place "
+        "after it was used in a checkpointed region, or clone it before modifying it."
+    )
+
+
+def _untracked_write_error(h: Handle, region: Region) -> CkptGraphError:
+    return CkptGraphError(
+        f"ckpt_graph: {_where(h, region)} [{h.dtype} {list(h.shape)}] was written in place "
+        "through an alias "
+        "with a version counter of its own (such as `.data`) after autograd saved it: eager "
+        "autograd would silently use the new values, the region can only give the old ones. "
+        "Write to the tensor itself rather than its `.data` (eager then reports the "
+        "conflict), or do the write outside the region."
+    )
+
+
+def _check_version(region: Region, h: Handle) -> None:
+    """Raise autograd's version-counter error if the forward tensor of ``h`` changed."""
+    t = h.value if h.value is not None and h.offload_device is None else None
+    if t is None and h.ref is not None:
+        t = h.ref()
+    if t is None and h.base is not None:
+        # See Note [Mutation and views], rule 6: the view's tensor is gone (a temporary
+        # view autograd saved), but it shared its base's version counter.
+        b = h.base
+        bt = b.value if b.value is not None and b.offload_device is None else None
+        if bt is None and b.ref is not None:
+            bt = b.ref()
+        if b.writes > h.base_writes:  # written after the view was made
+            if bt is not None and version_of(bt) == b.version:
+                raise _untracked_write_error(h, region)
+            raise _version_error(h, region, version_of(bt) if bt is not None else h.version + 1)
+        t = bt
+    if t is not None and h.version != -1 and version_of(t) != h.version:
+        raise _version_error(h, region, version_of(t))
+
+
+def _kept_value(region: Region, h: Handle) -> torch.Tensor:
+    v = h.value
+    if v is None:
+        raise CkptGraphError(
+            f"ckpt_graph: the kept value {h!r} was already released; run backward once per "
+            "forward, or pass retain_graph=True to the first backward"
+        )
+    _check_version(region, h)
+    if h.offload_device is not None:
+        return v.to(h.offload_device, non_blocking=True)
+    if region.debug:
+        check_kept(region, h, v)  # See Note [Kept value checks].
+    return v
