@@ -85,8 +85,9 @@ class Region:
         self.cache_limit = parse_cache_limit(cache_limit)
         self._policies: list[PolicyFn] = []
         self._constant: CheckpointPolicy | None = None
+        self._constant_by = ""  # the name that decided ``_constant``
         self._ids: dict[int, Handle] = {}
-        self._shapes: dict[torch.Size, torch.Size] = {}  # See Note [Recording fast path].
+        self._shapes: dict[torch.Size, torch.Size] = {}  # See Note [One recording path].
         self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # likewise, saved tensors
         self._by_storage: dict[int, list[Handle]] | None = None
         self._storages: dict[int, StorageHistory] = {}  # See Note [Mutation and views].
@@ -187,7 +188,7 @@ class Region:
     # handle in two flat lists, and ``saved`` pairs them up when read (the budget policy
     # and introspection read it; plain recording never does). Appending to two lists
     # creates no object, where a tuple per save would be one more object for the garbage
-    # collector to walk (see Note [Recording fast path]).
+    # collector to walk (see Note [One recording path]).
     @property
     def saved(self) -> list[tuple[int, Handle]]:
         """Every tensor autograd saved in the region, in order: ``(number of op nodes
@@ -251,38 +252,6 @@ class Region:
             index_storage(self, h)
         return h
 
-    def _scan(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Handle, ...]]:
-        """Replace tensors by handles in an op's arguments (flat scan, no pytree)."""
-        inputs: list[Handle] = []
-        h_args = list(args)
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
-                h_args[i] = h = self.handle_of(a)
-                inputs.append(h)
-            elif type(a) is list or type(a) is tuple:
-                h_args[i] = self._scan_list(a, inputs)
-        if kwargs:
-            kwargs = {k: self._scan_one(v, inputs) for k, v in kwargs.items()}
-        if len(inputs) > 1:
-            return tuple(h_args), kwargs, tuple(dict.fromkeys(inputs))
-        return tuple(h_args), kwargs, tuple(inputs)
-
-    def _scan_list(self, a: list[Any] | tuple[Any, ...], inputs: list[Handle]) -> Any:
-        if not any(isinstance(e, torch.Tensor) for e in a):
-            return a
-        return [self._scan_one(e, inputs) for e in a]
-
-    def _scan_one(self, a: Any, inputs: list[Handle]) -> Any:
-        if isinstance(a, torch.Tensor):
-            h = self.handle_of(a)
-            inputs.append(h)
-            return h
-        if type(a) is list or type(a) is tuple:
-            return self._scan_list(a, inputs)
-        return a
-
     # ----------------------------------------------------------------- recording
     def _keep(self, h: Handle, t: torch.Tensor, reason: str, offload: bool | None) -> None:
         if offload and t.device.type != "cpu":
@@ -344,6 +313,7 @@ class Region:
         if self._policies and len(consts) == len(self._policies):
             decision, _ = resolve(self._policies, PolicyContext(self), None, None, (), {})
             self._constant = decision
+            self._constant_by = "policy"
 
     @property
     def policies(self) -> tuple[PolicyFn, ...]:
