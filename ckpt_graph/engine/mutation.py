@@ -173,7 +173,7 @@ def before_write(
         if not entries:
             continue
         remaining: list[Handle] = []
-        copied: list[Handle] = []
+        copied: list[tuple[Handle, torch.Tensor]] = []
         for k in entries:
             if k.value is None:
                 continue
@@ -190,23 +190,20 @@ def before_write(
                 continue
             if k.uses == 0 and (k is not written or info.returns_written):
                 continue  # nobody needs the old value (this op does if it has other outputs)
-            k.value = exact_copy(k.value)
-            if k.node_index < 0 or k.is_view:
-                # New memory the region holds: a region input or a view was not counted.
-                region.kept_bytes += k.value.untyped_storage().nbytes()
+            copy = exact_copy(k.value)
             if k.version >= 0:  # the copy carries the version the value had
-                _set_versions((k.value,), (k.version,))
+                _set_versions((copy,), (k.version,))
             else:
-                k.version = k.value._version
+                k.version = copy._version
             if info.silent_writes:
                 k.ref = None  # the tensor's version stays: it must not match ``k`` again
-            copied.append(k)
+            copied.append((k, copy))
         if remaining:
             region._by_storage[key] = remaining
         else:
             del region._by_storage[key]
-        for k in copied:
-            index_storage(region, k)
+        for k, copy in copied:
+            region._hold_copy(k, copy)
     return overwritten
 
 

@@ -424,9 +424,7 @@ def _recompute_changed_kept(region: Region) -> None:
                 if not inputs_ok or o.packs > 0:
                     unavailable.add(o)
                     continue
-                if not o.is_view:
-                    region.kept_bytes -= o.nbytes
-                o.drop()
+                region._unhold(o)
                 _hold_inputs(region, node)
             elif o.value is None and _forward_tensor(o) is None:
                 unavailable.add(o)

@@ -22,7 +22,6 @@ from ckpt_graph.engine.mutation import (
     after_write,
     before_write,
     capture_rng,
-    index_storage,
     mark_written,
 )
 
@@ -351,11 +350,7 @@ def _keep_silently_written(
         if not isinstance(t, torch.Tensor) or not isinstance(h, Handle) or h.node_index < 0:
             continue
         if h.reason is None:
-            region._keep(h, t, graph.SILENT_WRITE, False)
-            if not h.is_view:
-                region.kept_bytes += h.nbytes
-            if region._by_storage is not None:
-                index_storage(region, h)
+            region._hold(h, t, graph.SILENT_WRITE)
         elif h.reason is graph.POLICY or h.reason is graph.TAG:
             h.reason = graph.SILENT_WRITE  # already an alias; ``before_write`` must not copy it
 
@@ -546,15 +541,6 @@ def decide(
         if h is None:
             continue
         if overwritten is not None:
-            h.keep(region._detached(o), graph.INPLACE_ON_KEPT)
-            overwritten.value = None  # superseded: nobody used the old version
+            region._hold_new_version(overwritten, h, o)
         elif keep:
-            region._keep(h, o, reason, KEEP.get(decision, False))
-        else:
-            continue
-        if not h.is_view and overwritten is None:
-            # A view's bytes belong to its base; an in-place version's were counted
-            # with the kept value it overwrote.
-            region.kept_bytes += h.nbytes
-        if region._by_storage is not None:
-            index_storage(region, h)
+            region._hold(h, o, reason, KEEP.get(decision, False))

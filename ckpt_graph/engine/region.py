@@ -245,19 +245,58 @@ class Region:
         else:
             reason = graph.INPUT
         h = Handle(t, -1, len(self.inputs))
-        h.keep(self._detached(t), reason)
         self.inputs.append(h)
         self._ids[id(t)] = h
-        if self._by_storage is not None:
-            index_storage(self, h)
+        self._hold(h, t, reason)
         return h
 
-    # ----------------------------------------------------------------- recording
-    def _keep(self, h: Handle, t: torch.Tensor, reason: str, offload: bool | None) -> None:
+    # ----------------------------------------------------------------- kept values
+    # Note [Holding values]
+    # The region holds a value in one place, ``_hold``, and lets it go in one, ``_unhold``:
+    #   1. Holding sets the handle's value (an alias of the forward tensor without autograd
+    #      history, or a host copy when offloaded) and its reason.
+    #   2. ``kept_bytes`` counts memory the region holds that nobody else accounts for: an
+    #      op output that is not a view. A region input is the caller's; a view's bytes
+    #      belong to its base. The kept new version of a value an in-place op overwrote
+    #      is the same memory, counted once (``_hold_new_version``); a copy taken before a
+    #      write is new memory for an input or a view (``_hold_copy``).
+    #   3. A held value joins the storage index, once that is built (see ``before_write``).
+    # Undoing a failed in-place op restores handles and ``kept_bytes`` as they were instead
+    # (see Note [Failed in-place ops]), and a released region drops every value at once.
+    def _hold(
+        self, h: Handle, t: torch.Tensor, reason: str, offload: bool = False, count: bool = True
+    ) -> None:
+        """Keep ``t`` as the value of ``h``. See Note [Holding values]."""
         if offload and t.device.type != "cpu":
             h.offload_device = t.device
             t = t.to("cpu", non_blocking=True)
         h.keep(self._detached(t), reason)
+        if count and h.node_index >= 0 and not h.is_view:
+            self.kept_bytes += h.nbytes
+        if self._by_storage is not None:
+            index_storage(self, h)
+
+    def _hold_new_version(self, old: Handle, h: Handle, t: torch.Tensor) -> None:
+        """Keep the result ``t`` of an in-place op over the kept value ``old``, which
+        nobody used: the same memory, so ``old`` lets its value go and ``h`` is not
+        counted again. See Note [Holding values]."""
+        self._hold(h, t, graph.INPLACE_ON_KEPT, count=False)
+        old.value = None  # superseded: its saved tensors raise the version error
+
+    def _hold_copy(self, h: Handle, copy: torch.Tensor) -> None:
+        """Keep ``copy`` instead of the alias ``h`` held, before a write changes the alias.
+        See Note [Holding values]."""
+        h.value = copy
+        if h.node_index < 0 or h.is_view:
+            self.kept_bytes += copy.untyped_storage().nbytes()
+        if self._by_storage is not None:
+            index_storage(self, h)
+
+    def _unhold(self, h: Handle) -> None:
+        """Stop keeping the value of ``h``: it is recomputed. See Note [Holding values]."""
+        if h.node_index >= 0 and not h.is_view:
+            self.kept_bytes -= h.nbytes
+        h.drop()
 
     def _detached(self, t: torch.Tensor) -> torch.Tensor:
         """An alias of ``t`` without autograd history, for the region to keep.
@@ -337,15 +376,11 @@ class Region:
         self.tagged.add(h)
         if decision in _KEEP:
             if not h.kept:
-                self._keep(h, t, graph.TAG, _KEEP[decision])
-                self.kept_bytes += 0 if h.is_view else h.nbytes
-                if self._by_storage is not None:
-                    index_storage(self, h)
+                self._hold(h, t, graph.TAG, _KEEP[decision])
             else:
                 h.reason = graph.TAG
         elif h.kept:
-            self.kept_bytes -= 0 if h.is_view else h.nbytes
-            h.drop()
+            self._unhold(h)
 
     # ----------------------------------------------------------------- backward
     def _pack_released(self, h: Handle) -> None:
