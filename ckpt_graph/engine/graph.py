@@ -24,18 +24,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
 from torch._ops import OpOverload
 
-__all__ = ["Handle", "OpInfo", "OpNode", "arg_at", "op_info", "version_of"]
-
-# Kept reasons (``Handle.reason``); ``None`` means recomputed.
-INPUT = "input"
-POLICY = "policy"
-TAG = "tag"
-MUTATED_ALIAS = "engine: value changed by an in-place op on an alias"
+__all__ = ["Handle", "KeptReason", "OpInfo", "OpNode", "arg_at", "op_info", "version_of"]
 
 # Ops returning aliases of their input without saying so in their schema (each output has
 # a version counter of its own). See Note [Mutation and views], rule 6 (mutation.py); a
@@ -48,10 +43,40 @@ UNANNOTATED_ALIASES = frozenset(
         torch.ops.aten._unsafe_view.default,
     }
 )
-INPLACE_ON_KEPT = "engine: in-place op on a kept value"
-SILENT_WRITE = "engine: written in place without a version bump (backward reads the new value)"
-CLONED_BEFORE_MUTATION = "engine: copy of a kept value taken before an in-place op"
-RANDOM_WITHOUT_REPLAY = "engine: random op on a device without generator replay"
+
+
+class KeptReason(StrEnum):
+    """Why a handle's value is kept (``Handle.reason``; ``None`` means recomputed).
+
+    A ``str`` whose value is the readable text (``"policy"``, ``"engine: ..."``), so that
+    summaries and exports print it as is. The engine's own reasons (``by_engine``) hold
+    whatever a policy or a tag says: recomputing such a value would give wrong results.
+    """
+
+    INPUT = "input"
+    POLICY = "policy"
+    TAG = "tag"
+    MUTATED_ALIAS = "engine: value changed by an in-place op on an alias"
+    INPLACE_ON_KEPT = "engine: in-place op on a kept value"
+    SILENT_WRITE = "engine: written in place without a version bump (backward reads the new value)"
+    CLONED_BEFORE_MUTATION = "engine: copy of a kept value taken before an in-place op"
+    RANDOM_WITHOUT_REPLAY = "engine: random op on a device without generator replay"
+
+    @property
+    def by_engine(self) -> bool:
+        """Whether the engine keeps the value for correctness (no policy or tag may drop it)."""
+        return self not in _CHOSEN
+
+
+_CHOSEN = frozenset({KeptReason.INPUT, KeptReason.POLICY, KeptReason.TAG})
+INPUT = KeptReason.INPUT
+POLICY = KeptReason.POLICY
+TAG = KeptReason.TAG
+MUTATED_ALIAS = KeptReason.MUTATED_ALIAS
+INPLACE_ON_KEPT = KeptReason.INPLACE_ON_KEPT
+SILENT_WRITE = KeptReason.SILENT_WRITE
+CLONED_BEFORE_MUTATION = KeptReason.CLONED_BEFORE_MUTATION
+RANDOM_WITHOUT_REPLAY = KeptReason.RANDOM_WITHOUT_REPLAY
 
 
 def arg_at(args: Sequence[Any], kwargs: dict[str, Any], where: int | str) -> Any:
@@ -82,7 +107,7 @@ class Handle:
             observed after an in-place op; see Note [Mutation and views]).
         ref: weak reference to the forward tensor, for version checks.
         value: the kept tensor, or ``None`` when the value is recomputed.
-        reason: why the value is kept (``None`` when recomputed).
+        reason: why the value is kept, a :class:`KeptReason` (``None`` when recomputed).
         offload_device: original device of a value kept in host memory, else ``None``.
         shape, dtype, nbytes: metadata of the value; stride and device are filled in
             when autograd saves it (the fake implementation of ``ckpt_graph::unpack``).
@@ -151,7 +176,7 @@ class Handle:
         self.dtype = t.dtype
         self.nbytes: int = t.nbytes
         self.value: torch.Tensor | None = None
-        self.reason: str | None = None
+        self.reason: KeptReason | None = None
         self.offload_device: torch.device | None = None
         self.stride: tuple[int, ...] | None = None  # set when autograd saves the value
         self.device: torch.device | None = None  # likewise
@@ -174,7 +199,7 @@ class Handle:
         """Whether the region holds this value (it is never recomputed)."""
         return self.reason is not None
 
-    def keep(self, t: torch.Tensor, reason: str) -> None:
+    def keep(self, t: torch.Tensor, reason: KeptReason) -> None:
         """Hold ``t`` as this handle's value for the backward."""
         self.value = t
         self.reason = reason

@@ -366,7 +366,7 @@ def _keep_silently_written(
 # raises (``_restore``), and nothing is recorded. The storage index
 # is rebuilt at the next write. Without this, a saved tensor of the base raised an error
 # about `.data` in backward.
-_Undo = list[tuple[Handle, bool, Any, int, Any, str | None]]
+_Undo = list[tuple[Handle, bool, Any, int, Any, graph.KeptReason | None]]
 
 
 def _write_state(

@@ -264,7 +264,12 @@ class Region:
     # Undoing a failed in-place op restores handles and ``kept_bytes`` as they were instead
     # (see Note [Failed in-place ops]), and a released region drops every value at once.
     def _hold(
-        self, h: Handle, t: torch.Tensor, reason: str, offload: bool = False, count: bool = True
+        self,
+        h: Handle,
+        t: torch.Tensor,
+        reason: graph.KeptReason,
+        offload: bool = False,
+        count: bool = True,
     ) -> None:
         """Keep ``t`` as the value of ``h``. See Note [Holding values]."""
         if offload and t.device.type != "cpu":
@@ -346,13 +351,15 @@ class Region:
             hook(self)
 
     def _update_constant(self) -> None:
-        # Fast path: a stack of string-named policies decides without calling anything.
+        # A stack of string-named policies decides every op alike, without calling anything
+        # (the op node is made with the decision; see ``record_node``).
         consts = [p for p in self._policies if p in POLICY_NAMES.values()]
         self._constant = None
+        self._constant_by = ""
         if self._policies and len(consts) == len(self._policies):
-            decision, _ = resolve(self._policies, PolicyContext(self), None, None, (), {})
-            self._constant = decision
-            self._constant_by = "policy"
+            self._constant, self._constant_by = resolve(
+                self._policies, PolicyContext(self), None, None, (), {}
+            )
 
     @property
     def policies(self) -> tuple[PolicyFn, ...]:
@@ -369,7 +376,7 @@ class Region:
                 "ckpt_graph: tag_with_policy needs a CheckpointPolicy or a bool, got None"
             )
         h = self.handle_of(t)
-        if h.node_index < 0 or (h.reason is not None and h.reason.startswith("engine")):
+        if h.node_index < 0 or (h.reason is not None and h.reason.by_engine):
             return  # region inputs and engine-kept values are always kept
         # Per value, not per op node: a tag on one output of a multi-output op (``split``)
         # says nothing about its siblings, which keep the policies' decision.

@@ -95,7 +95,7 @@ def kept_ops_of(region: Region) -> frozenset[int]:
     return frozenset(
         n.index
         for n in region.nodes
-        if any(o is not None and o.kept and not o.reason.startswith("engine") for o in n.outputs)  # type: ignore[union-attr]
+        if any(o is not None and o.reason is not None and not o.reason.by_engine for o in n.outputs)
     )
 
 
@@ -155,7 +155,7 @@ def from_region(
             values.append(SimValue(out.nbytes, node.index, root, out.is_view))
             floating.append(out.dtype.is_floating_point and root == v)
             outs.append(v)
-            if out.kept and (node.index not in free or (out.reason or "").startswith("engine")):
+            if out.reason is not None and (node.index not in free or out.reason.by_engine):
                 fixed.add(v)
         if all(o is None or o.is_view for o in node.outputs):
             cost = 0  # views compute nothing

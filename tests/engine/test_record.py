@@ -234,3 +234,47 @@ def test_inference_tensors_have_version_zero() -> None:
     assert len(handles) == 1 and handles[0].version == 0
     y.sum().backward()
     torch.testing.assert_close(x.grad, (x + c).cos().detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner", "by"),
+    [
+        ("recompute_all", None, "recompute_all"),
+        ("must_save_all", None, "must_save_all"),
+        ("recompute_all", "must_save_all", "must_save_all"),
+        ("must_save_all", "recompute_all", "must_save_all"),  # a MUST_* is not replaced
+    ],
+)
+def test_constant_stacks_name_the_policy_that_decided(outer: str, inner: Any, by: str) -> None:
+    x = torch.randn(4, requires_grad=True)
+    with cg.save_recompute_policy(outer) as region:
+        if inner is None:
+            y = x.sin()
+        else:
+            with cg.save_recompute_policy(inner):
+                y = x.sin()
+    (node,) = region.nodes
+    assert node.decided_by == by
+    assert f"policy {by} answered" in cg.analysis.explain(region, y).why
+
+
+def test_kept_reasons_are_typed_and_readable() -> None:
+    assert {r for r in graph.KeptReason if not r.by_engine} == {
+        graph.KeptReason.INPUT,
+        graph.KeptReason.POLICY,
+        graph.KeptReason.TAG,
+    }
+    for r in graph.KeptReason:
+        assert isinstance(r, str) and str(r) == r.value  # summaries print the text
+        assert r.by_engine == r.value.startswith("engine: ")
+    x = torch.randn(4, requires_grad=True)
+    with cg.save_recompute_policy("must_save_all") as region:
+        a = x.sin()
+        a.mul_(2)  # the kept sin() output is overwritten: the engine keeps the new version
+        cg.tag_with_policy(a, False)  # a tag cannot drop an engine-kept value
+        y = a.sum()
+    h = region.lookup(a)
+    assert h is not None and h.reason is graph.KeptReason.INPLACE_ON_KEPT and h.reason.by_engine
+    assert h not in region.tagged
+    y.backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach().cos(), rtol=0, atol=0)
