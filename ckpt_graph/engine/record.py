@@ -6,7 +6,6 @@ See Note [Mutation and views] in ``mutation.py`` for in-place ops, views and kep
 from __future__ import annotations
 
 import sys
-import traceback
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,21 +13,15 @@ from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ckpt_graph.engine import graph
-from ckpt_graph.engine.debug import checksums
-from ckpt_graph.engine.decisions import resolve
-from ckpt_graph.engine.graph import _OP_INFO, Handle, OpInfo, OpNode, arg_at, op_info
-from ckpt_graph.engine.mutation import (
-    after_write,
-    before_write,
-    capture_rng,
-    mark_written,
-)
+from ckpt_graph.engine.graph import _OP_INFO, Handle, OpInfo, op_info
+from ckpt_graph.engine.mutation import before_write, capture_rng
+from ckpt_graph.engine.outputs import decide, record_node
+from ckpt_graph.engine.write_prep import keep_silently_written, restore, write_state
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
 
-__all__ = ["KEEP", "Recorder", "decide", "record_node"]
+__all__ = ["Recorder"]
 
 _current_task = torch._C._current_graph_task_id
 try:  # dynamo's per-thread frame callback (C functions; no import of torch._dynamo)
@@ -87,15 +80,6 @@ class _OpEntry:
 
 
 _OPS: dict[int, _OpEntry] = {}
-
-# Decisions that keep a value, and whether they keep it in host memory.
-KEEP = {
-    CheckpointPolicy.MUST_SAVE: False,
-    CheckpointPolicy.PREFER_SAVE: False,
-    CheckpointPolicy.MUST_CPU_OFFLOAD: True,
-    CheckpointPolicy.PREFER_CPU_OFFLOAD: True,
-}
-_KEEP_IDS = frozenset(id(d) for d in KEEP)  # for every op: Enum.__hash__ is Python code
 
 
 def _seed_gradient() -> bool:
@@ -277,16 +261,16 @@ def _run_special(
     undo = None
     kept_bytes = region.kept_bytes
     if info.writes:
-        undo = _write_state(region, info, args, kwargs, h_args, h_kwargs)
+        undo = write_state(region, info, args, kwargs, h_args, h_kwargs)
         if info.silent_writes:
-            _keep_silently_written(region, info, args, kwargs, h_args, h_kwargs)
+            keep_silently_written(region, info, args, kwargs, h_args, h_kwargs)
         overwritten = before_write(region, info, args, kwargs, h_args, h_kwargs)
     rng = capture_rng(args, kwargs) if info.is_random else None
     try:
         out = entry.call(*args, **kwargs)
     except BaseException:
         if undo is not None:
-            _restore(region, undo)
+            restore(region, undo)
             region.kept_bytes = kept_bytes
         raise
     if info.options and isinstance(out, _Tensor):
@@ -321,226 +305,3 @@ def _resolved_options(info: OpInfo, kwargs: dict[str, Any], out: torch.Tensor) -
     for name in missing:
         kwargs[name] = _OPTION_OF[name](out)
     return kwargs
-
-
-# Note [Silent writes]
-# Some writes bump no version counter (``OpInfo.silent_writes``): CPU ``native_batch_norm``
-# updating running statistics, ``rrelu_with_noise`` filling its noise argument. Autograd
-# saves ``noise`` before the op runs, and eager's backward reads whatever the tensor holds
-# then: the values the op wrote. A recomputed handle of the written argument would give
-# the values before the write (``empty_like``'s garbage), so the written argument is kept
-# as an alias of the forward tensor before the op runs (reason ``SILENT_WRITE``): the alias
-# sees the write, as eager's saved tensor does, and ``before_write`` does not replace it by
-# a copy. Region inputs (running statistics) are kept anyway, and copied before the write
-# for the op nodes that read them earlier.
-
-
-def _keep_silently_written(
-    region: Region,
-    info: OpInfo,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    h_args: tuple[Any, ...],
-    h_kwargs: dict[str, Any],
-) -> None:
-    """Keep recomputed arguments a silent write changes. See Note [Silent writes]."""
-    for w in info.writes:
-        t = arg_at(args, kwargs, w)
-        h = arg_at(h_args, h_kwargs, w)
-        if not isinstance(t, torch.Tensor) or not isinstance(h, Handle) or h.node_index < 0:
-            continue
-        if h.reason is None:
-            region._hold(h, t, graph.SILENT_WRITE)
-        elif h.reason is graph.POLICY or h.reason is graph.TAG:
-            h.reason = graph.SILENT_WRITE  # already an alias; ``before_write`` must not copy it
-
-
-# Note [Failed in-place ops]
-# ``before_write`` prepares a region for an in-place op before the op runs: it supersedes
-# the old values of the written tensor and of its view bases, and replaces kept values in
-# the written storage by copies. An op can still raise (``y[0:2].add_(torch.ones(3))``: a
-# shape error), and code may catch that and go on; eager then has nothing changed. So the
-# handles ``before_write`` (and ``_keep_silently_written``) may touch are noted first
-# (``_write_state``: the view bases of each written handle and every kept value in a
-# written storage; only for ops that write) and restored with ``kept_bytes`` if the op
-# raises (``_restore``), and nothing is recorded. The storage index
-# is rebuilt at the next write. Without this, a saved tensor of the base raised an error
-# about `.data` in backward.
-_Undo = list[tuple[Handle, bool, Any, int, Any, graph.KeptReason | None]]
-
-
-def _write_state(
-    region: Region,
-    info: OpInfo,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    h_args: tuple[Any, ...],
-    h_kwargs: dict[str, Any],
-) -> _Undo:
-    """What ``before_write`` may change. See Note [Failed in-place ops]."""
-    touched: dict[int, Handle] = {}
-    by_storage = region._by_storage
-    for w in info.writes:
-        t = arg_at(args, kwargs, w)
-        h = arg_at(h_args, h_kwargs, w)
-        if not isinstance(t, torch.Tensor) or not isinstance(h, Handle):
-            continue
-        touched[id(h)] = h
-        while h.is_view and h.node_index >= 0 and region.nodes[h.node_index].inputs:
-            h = region.nodes[h.node_index].inputs[0]
-            touched[id(h)] = h
-        key = t.untyped_storage().data_ptr()
-        if by_storage is not None:
-            entries: Any = by_storage.get(key, ())
-        else:  # not built yet: the first write of the region (see ``before_write``)
-            entries = [
-                o
-                for o in (*region.inputs, *(o for n in region.nodes for o in n.outputs))
-                if o is not None
-                and o.value is not None
-                and o.offload_device is None
-                and o.value.untyped_storage().data_ptr() == key
-            ]
-        for k in entries:
-            touched[id(k)] = k
-    return [(h, h.superseded, h.value, h.version, h.ref, h.reason) for h in touched.values()]
-
-
-def _restore(region: Region, undo: _Undo) -> None:
-    """Undo ``before_write`` for an op that raised. See Note [Failed in-place ops]."""
-    for h, superseded, value, version, ref, reason in undo:
-        h.superseded, h.value, h.version, h.ref, h.reason = superseded, value, version, ref, reason
-    region._by_storage = None
-
-
-# ----------------------------------------------------------------- op nodes
-
-
-def record_node(
-    region: Region,
-    op: Any,
-    info: OpInfo,
-    h_args: tuple[Any, ...],
-    h_kwargs: dict[str, Any],
-    inputs: tuple[Handle, ...],
-    out: Any,
-    rng: tuple[torch.Generator, torch.Tensor] | None,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> OpNode:
-    """Append the op node of one call, with a handle per tensor output."""
-    nodes = region.nodes
-    index = len(nodes)
-    node = OpNode(index, op, info, h_args, h_kwargs, inputs)
-    # A constant policy stack decides every op alike; ``decide`` asks callable ones.
-    node.decision = region._constant
-    node.decided_by = region._constant_by
-    node.module_path = region._modules.current_path
-    if rng is not None:
-        node.rng = rng
-    for h in inputs:
-        h.uses += 1
-    previous: Handle | None = None
-    if info.writes:
-        previous = mark_written(region, info, h_args, h_kwargs, args, kwargs)
-    ids = region._ids
-    shapes = region._shapes
-    if isinstance(out, _Tensor):
-        h = Handle(out, index, 0)
-        if info.view_outputs or info.returns_written:
-            _alias_output(region, info, h, inputs, previous)
-        ids[id(out)] = h
-        node.outputs = (h,)
-        handles: Any = node.outputs
-    else:
-        node.out_is_tuple = True
-        handles = []
-        for j, o in enumerate(out):
-            if not isinstance(o, _Tensor):
-                handles.append(None)
-                continue
-            h = Handle(o, index, j)
-            if info.view_outputs or info.returns_written:  # a list return: every element
-                _alias_output(region, info, h, inputs, previous)
-            ids[id(o)] = h
-            handles.append(h)
-        node.outputs = tuple(handles)
-    for h in handles:
-        if h is not None:
-            shape = h.shape
-            try:  # noqa: SIM105 (``suppress`` would make an object per output)
-                h.shape = shapes.setdefault(shape, shape)
-            except TypeError:  # symbolic sizes are not hashable: no sharing
-                pass
-    if info.writes and region._writing is not None:  # See Note [Mutation and views], rule 3.
-        after_write(region, node.outputs[0] if len(node.outputs) == 1 else None)
-    if region.debug:
-        node.stack = "".join(traceback.format_stack(limit=14)[:-4])
-        node.checksums = checksums(out if node.out_is_tuple else (out,))
-    nodes.append(node)
-    return node
-
-
-def _alias_output(
-    region: Region, info: OpInfo, h: Handle, inputs: tuple[Handle, ...], previous: Handle | None
-) -> None:
-    """Set up the output handle of an in-place or view op. See Note [Mutation and views]."""
-    h.version = -1  # rule 5: autograd sets the version after the recorder returns
-    region._unsettled.append(h)
-    if info.returns_written:
-        if previous is not None:  # rule 6
-            h.is_view, h.has_views = previous.is_view, previous.has_views
-            h.base = previous.base
-            if h.base is not None:
-                h.base_writes = h.base.writes
-    elif inputs:
-        h.is_view = True
-        b = inputs[0]
-        b.has_views = True
-        h.base = b.base or b
-        h.base_writes = h.base.writes
-    else:
-        h.is_view = True
-
-
-def decide(
-    region: Region,
-    node: OpNode,
-    out: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    overwritten: Handle | None,
-) -> None:
-    """Settle what the region keeps of one op node's outputs.
-
-    The node carries its stack's constant decision already (``record_node``); a callable
-    stack (decision ``None``) is asked here. See Note [Policy stack resolution].
-    """
-    decision = node.decision
-    if decision is None:
-        ctx = region._ctx
-        assert ctx is not None
-        ctx._set(node.index, node.op, node.info, out, args, kwargs)
-        region._recording = False  # a policy's own tensor ops are not part of the region
-        try:
-            decision, node.decided_by = resolve(region._policies, ctx, out, node.op, args, kwargs)
-        finally:
-            region._recording = True
-            ctx._clear()
-        node.decision = decision
-    keep = id(decision) in _KEEP_IDS
-    reason = graph.POLICY
-    if node.info.is_random and node.rng is None and overwritten is None:
-        # No generator replay for this device (see Note [RNG replay]): recomputing would
-        # draw other values, so the engine keeps them, whatever the policy or a tag says.
-        keep = True
-        reason = graph.RANDOM_WITHOUT_REPLAY
-    elif not keep and overwritten is None:
-        return
-    for o, h in zip(out if node.out_is_tuple else (out,), node.outputs, strict=True):
-        if h is None:
-            continue
-        if overwritten is not None:
-            region._hold_new_version(overwritten, h, o)
-        elif keep:
-            region._hold(h, o, reason, KEEP.get(decision, False))

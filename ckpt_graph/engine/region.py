@@ -24,6 +24,7 @@ from ckpt_graph.engine.decisions import to_decision as _to_decision
 from ckpt_graph.engine.graph import Handle, OpNode, version_of
 from ckpt_graph.engine.hooks import pack_hook_for, unpack_hook_for_autograd
 from ckpt_graph.engine.mutation import StorageHistory, index_storage, rebase
+from ckpt_graph.engine.outputs import KEEP as _KEEP
 from ckpt_graph.engine.realize import (
     REPLAY_GLOBALS,
     PassState,
@@ -31,7 +32,6 @@ from ckpt_graph.engine.realize import (
     lose_use,
     replay_globals,
 )
-from ckpt_graph.engine.record import KEEP as _KEEP
 from ckpt_graph.engine.record import Recorder
 
 __all__ = ["Region", "current_region"]
