@@ -82,6 +82,7 @@ from ckpt_graph.engine.graph import (
     arg_at,
     op_info,
 )
+from ckpt_graph.engine.holding import hold_copy, index_storage
 from ckpt_graph.engine.realize import exact_copy
 
 if TYPE_CHECKING:
@@ -91,7 +92,6 @@ __all__ = [
     "StorageHistory",
     "before_write",
     "capture_rng",
-    "index_storage",
     "mark_written",
     "overlap",
     "rebase",
@@ -126,15 +126,6 @@ class StorageHistory:
         self.head: Handle | None = None
         self.roots: set[Handle] = set()
         self.diverged = False
-
-
-def index_storage(region: Region, h: Handle) -> None:
-    """Add a kept value to the region's storage index (see ``before_write``)."""
-    assert region._by_storage is not None
-    if h.value is not None and h.offload_device is None:
-        key = h.value.untyped_storage().data_ptr()
-        if key:
-            region._by_storage.setdefault(key, []).append(h)
 
 
 def before_write(
@@ -203,7 +194,7 @@ def before_write(
         else:
             del region._by_storage[key]
         for k, copy in copied:
-            region._hold_copy(k, copy)
+            hold_copy(region, k, copy)
     return overwritten
 
 

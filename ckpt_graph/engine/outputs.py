@@ -16,6 +16,7 @@ from ckpt_graph.engine import graph
 from ckpt_graph.engine.debug import checksums
 from ckpt_graph.engine.decisions import resolve
 from ckpt_graph.engine.graph import Handle, OpInfo, OpNode
+from ckpt_graph.engine.holding import hold, hold_new_version
 from ckpt_graph.engine.mutation import after_write, mark_written
 
 if TYPE_CHECKING:
@@ -160,6 +161,6 @@ def decide(
         if h is None:
             continue
         if overwritten is not None:
-            region._hold_new_version(overwritten, h, o)
+            hold_new_version(region, overwritten, h, o)
         elif keep:
-            region._hold(h, o, reason, KEEP.get(decision, False))
+            hold(region, h, o, reason, KEEP.get(decision, False))

@@ -100,6 +100,7 @@ from ckpt_graph.engine.cache_bound import (
 )
 from ckpt_graph.engine.debug import check_kept, check_replay
 from ckpt_graph.engine.graph import INPUT, UNANNOTATED_ALIASES, Handle, arg_at, version_of
+from ckpt_graph.engine.holding import detached, unhold
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
@@ -424,7 +425,7 @@ def _recompute_changed_kept(region: Region) -> None:
                 if not inputs_ok or o.packs > 0:
                     unavailable.add(o)
                     continue
-                region._unhold(o)
+                unhold(region, o)
                 _hold_inputs(region, node)
             elif o.value is None and _forward_tensor(o) is None:
                 unavailable.add(o)
@@ -452,7 +453,7 @@ def _hold_inputs(region: Region, node: OpNode) -> None:
         elif h.value is None:
             t = _forward_tensor(h)
             if t is not None:
-                h.value = region._detached(t)
+                h.value = detached(region, t)
 
 
 def _changed(h: Handle) -> bool:
@@ -694,7 +695,7 @@ def _realized(h: Handle) -> torch.Tensor:
 # Note [Region inputs keep their identity]
 # A saved tensor that was a region input (a parameter, a mask, the block's input) and is
 # unchanged is unpacked as the original tensor object while it is alive, not as the alias
-# the region keeps (``Region._detached``), so ``ctx.saved_tensors[i] is w`` holds as in eager
+# the region keeps (``holding.detached``), so ``ctx.saved_tensors[i] is w`` holds as in eager
 # for tensors that do not require grad. The version check comes first (``_kept_value``).
 # Known limitation: autograd re-wraps whatever an unpack hook returns for a tensor that
 # requires grad (``SavedVariable::unpack`` with hooks), so such a tensor (a parameter) comes

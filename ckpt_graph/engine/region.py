@@ -22,8 +22,9 @@ from ckpt_graph.engine.debug import kept_checksums
 from ckpt_graph.engine.decisions import POLICY_NAMES, PolicyContext, PolicyFn, resolve
 from ckpt_graph.engine.decisions import to_decision as _to_decision
 from ckpt_graph.engine.graph import Handle, OpNode, version_of
+from ckpt_graph.engine.holding import detached, hold, unhold
 from ckpt_graph.engine.hooks import pack_hook_for, unpack_hook_for_autograd
-from ckpt_graph.engine.mutation import StorageHistory, index_storage, rebase
+from ckpt_graph.engine.mutation import StorageHistory, rebase
 from ckpt_graph.engine.outputs import KEEP as _KEEP
 from ckpt_graph.engine.realize import (
     REPLAY_GLOBALS,
@@ -37,7 +38,6 @@ from ckpt_graph.engine.record import Recorder
 __all__ = ["Region", "current_region"]
 
 _tls = threading.local()
-_DK = torch._C.DispatchKey
 
 
 def current_region() -> Region | None:
@@ -214,7 +214,7 @@ class Region:
                 h.version = version_of(t)
                 if h.value is not None and h.offload_device is None:
                     # A view got its base's version counter only now: alias it again.
-                    h.value = self._detached(t)
+                    h.value = detached(self, t)
         self._unsettled.clear()
 
     def lookup(self, t: torch.Tensor) -> Handle | None:
@@ -247,83 +247,8 @@ class Region:
         h = Handle(t, -1, len(self.inputs))
         self.inputs.append(h)
         self._ids[id(t)] = h
-        self._hold(h, t, reason)
+        hold(self, h, t, reason)
         return h
-
-    # ----------------------------------------------------------------- kept values
-    # Note [Holding values]
-    # The region holds a value in one place, ``_hold``, and lets it go in one, ``_unhold``:
-    #   1. Holding sets the handle's value (an alias of the forward tensor without autograd
-    #      history, or a host copy when offloaded) and its reason.
-    #   2. ``kept_bytes`` counts memory the region holds that nobody else accounts for: an
-    #      op output that is not a view. A region input is the caller's; a view's bytes
-    #      belong to its base. The kept new version of a value an in-place op overwrote
-    #      is the same memory, counted once (``_hold_new_version``); a copy taken before a
-    #      write is new memory for an input or a view (``_hold_copy``).
-    #   3. A held value joins the storage index, once that is built (see ``before_write``).
-    # Undoing a failed in-place op restores handles and ``kept_bytes`` as they were instead
-    # (see Note [Failed in-place ops]), and a released region drops every value at once.
-    def _hold(
-        self,
-        h: Handle,
-        t: torch.Tensor,
-        reason: graph.KeptReason,
-        offload: bool = False,
-        count: bool = True,
-    ) -> None:
-        """Keep ``t`` as the value of ``h``. See Note [Holding values]."""
-        if offload and t.device.type != "cpu":
-            h.offload_device = t.device
-            t = t.to("cpu", non_blocking=True)
-        h.keep(self._detached(t), reason)
-        if count and h.node_index >= 0 and not h.is_view:
-            self.kept_bytes += h.nbytes
-        if self._by_storage is not None:
-            index_storage(self, h)
-
-    def _hold_new_version(self, old: Handle, h: Handle, t: torch.Tensor) -> None:
-        """Keep the result ``t`` of an in-place op over the kept value ``old``, which
-        nobody used: the same memory, so ``old`` lets its value go and ``h`` is not
-        counted again. See Note [Holding values]."""
-        self._hold(h, t, graph.INPLACE_ON_KEPT, count=False)
-        old.value = None  # superseded: its saved tensors raise the version error
-
-    def _hold_copy(self, h: Handle, copy: torch.Tensor) -> None:
-        """Keep ``copy`` instead of the alias ``h`` held, before a write changes the alias.
-        See Note [Holding values]."""
-        h.value = copy
-        if h.node_index < 0 or h.is_view:
-            self.kept_bytes += copy.untyped_storage().nbytes()
-        if self._by_storage is not None:
-            index_storage(self, h)
-
-    def _unhold(self, h: Handle) -> None:
-        """Stop keeping the value of ``h``: it is recomputed. See Note [Holding values]."""
-        if h.node_index >= 0 and not h.is_view:
-            self.kept_bytes -= h.nbytes
-        h.drop()
-
-    def _detached(self, t: torch.Tensor) -> torch.Tensor:
-        """An alias of ``t`` without autograd history, for the region to keep.
-
-        Kept values must not refer to the autograd graph: the graph holds the packed
-        saved tensors, which hold the region, which would make a reference cycle. The
-        recorder runs below autograd, where ``detach`` would give the alias a version
-        counter of its own; re-enabling the ADInplaceOrView key for the call makes it
-        share the forward tensor's counter, so later in-place changes stay visible.
-        """
-        if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
-            include = torch._C._dispatch_tls_local_include_set()
-            exclude = torch._C._dispatch_tls_local_exclude_set()
-            exclude = exclude.remove(_DK.ADInplaceOrView).add(_DK.Python).add(_DK.PythonTLSSnapshot)
-            with torch._C._ForceDispatchKeyGuard(include, exclude):
-                return t.detach()
-        recording = self._recording
-        self._recording = False
-        try:
-            return t.detach()
-        finally:
-            self._recording = recording
 
     # ----------------------------------------------------------------- policies
     # Note [Failed policy push]
@@ -383,11 +308,11 @@ class Region:
         self.tagged.add(h)
         if decision in _KEEP:
             if not h.kept:
-                self._hold(h, t, graph.TAG, _KEEP[decision])
+                hold(self, h, t, graph.TAG, _KEEP[decision])
             else:
                 h.reason = graph.TAG
         elif h.kept:
-            self._unhold(h)
+            unhold(self, h)
 
     # ----------------------------------------------------------------- backward
     def _pack_released(self, h: Handle) -> None:

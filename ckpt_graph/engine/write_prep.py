@@ -13,6 +13,7 @@ import torch
 
 from ckpt_graph.engine import graph
 from ckpt_graph.engine.graph import Handle, OpInfo, arg_at
+from ckpt_graph.engine.holding import hold
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
@@ -47,7 +48,7 @@ def keep_silently_written(
         if not isinstance(t, torch.Tensor) or not isinstance(h, Handle) or h.node_index < 0:
             continue
         if h.reason is None:
-            region._hold(h, t, graph.SILENT_WRITE)
+            hold(region, h, t, graph.SILENT_WRITE)
         elif h.reason is graph.POLICY or h.reason is graph.TAG:
             h.reason = graph.SILENT_WRITE  # already an alias; ``before_write`` must not copy it
 

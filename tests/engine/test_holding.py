@@ -1,6 +1,6 @@
 """Holding values: ``kept_bytes`` and the kept value of each handle, set in one place.
 
-See Note [Holding values] in ckpt_graph/engine/region.py.
+See Note [Holding values] in ckpt_graph/engine/holding.py.
 """
 
 from __future__ import annotations
