@@ -14,9 +14,12 @@ input*, which is always kept.
 # (``Handle.reason`` says which). Every other value is released by the forward as usual and
 # comes back in backward by realizing its handle (see Note [Realize order]).
 #
-# Ownership has no cycles: region -> op nodes -> handles -> kept values. Handles refer to
-# their producer by position (``node_index``), never by reference, and nothing refers back
-# to the region except the packed objects autograd holds (see Note [Packed lifetime]).
+# Ownership has no cycles once the region is closed: region -> op nodes -> handles -> kept
+# values. Handles refer to their producer by position (``node_index``), never by
+# reference; a view's handle refers to its ``base`` handle, which never refers back. While
+# the region is open, its recorder, saved-tensor hook closures and policy context refer to
+# it; closing drops all three. After that nothing refers back to the region but the
+# packed objects autograd holds (see Note [Packed lifetime]) and the user's own variable.
 """
 
 from __future__ import annotations
@@ -331,7 +334,8 @@ class OpNode:
         out_is_tuple: whether the op returned a tuple/list (vs. a single tensor).
         rng: ``(generator, state)`` captured just before a random op ran, else ``None``.
         decision: the resolved :class:`~torch.utils.checkpoint.CheckpointPolicy`.
-        decided_by: repr of the policy that set the decision (``""`` for the default).
+        decided_by: name of the policy that set the decision (``""`` for the default,
+            ``"engine"`` for an op node the engine added).
         module_path: qualified name of the innermost module running the op.
         flops: estimated FLOPs of one run (filled lazily; -1 until asked).
         stack: Python stack of the forward call (only with ``debug=True``).
@@ -342,7 +346,9 @@ class OpNode:
             (see Note [Bounded recompute cache]).
     """
 
-    # Class-level defaults, as for Handle: set in __init__ only what every node has.
+    # Class-level defaults (OpNode has no ``__slots__``, unlike Handle, whose every field
+    # ``__init__`` sets): ``__init__`` sets what every node has; the rest reads these until
+    # an instance sets its own, so a plain op node costs six attribute stores.
     outputs: tuple[Handle | None, ...] = ()
     out_is_tuple = False
     rng: tuple[torch.Generator, torch.Tensor] | None = None
