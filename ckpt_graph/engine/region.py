@@ -1,14 +1,17 @@
-"""Regions: ``save_recompute_policy``, ``checkpoint`` and ``tag_with_policy``.
+"""The region: the recorded graph of one checkpointed forward, and what backward needs.
 
-A region is opened by the outermost ``save_recompute_policy`` block of a thread and
-closed when that block exits; inner blocks push their policy onto the same region. While
-open, the region's :class:`~ckpt_graph.engine.record.Recorder` records every aten op and its
-saved-tensor hooks pack handles instead of tensors (see ``hooks.py``).
+A region is opened by the outermost ``save_recompute_policy`` block of a thread (see
+``api.py``) and closed when that block exits; inner blocks push their policy onto it
+(``_push`` / ``_pop``). While open, its :class:`~ckpt_graph.engine.record.Recorder` records
+every aten op and its saved-tensor hooks pack handles instead of tensors (``hooks.py``).
+This module holds the region's state and lifecycle, its map from tensors to handles
+(``handle_of``) and tags; recording is in ``record.py``, backward in ``realize.py``.
 """
 
 from __future__ import annotations
 
 import threading
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -100,7 +103,7 @@ class Region:
         self._live_packs = 0
         self._ctx: PolicyContext | None = None
         self._modules = _modules.ModuleStack()
-        self._exits: list[Any] = []
+        self._exits = ExitStack()  # while open: what closing undoes
         self._hook_fns: tuple[Any, Any] | None = None  # while open: refers to the region
         self._pass = PassState()
         self._kept_sums: dict[Handle, tuple[float, float, float]] = {}  # when debug
@@ -118,14 +121,15 @@ class Region:
         self._task = torch._C._current_graph_task_id()
         self._globals = replay_globals()
         self._ctx = PolicyContext(self)
-        _tls.region = self
-        _modules.install_hooks()
         self._hook_fns = (pack_hook_for(self), unpack_hook_for_autograd())
-        hooks = torch.autograd.graph.saved_tensors_hooks(*self._hook_fns)
-        recorder = Recorder(self)
-        hooks.__enter__()
-        recorder.__enter__()
-        self._exits = [recorder, hooks]
+        with ExitStack() as exits:  # undone in reverse order, also if a step raises
+            _tls.region = self
+            exits.callback(setattr, _tls, "region", None)
+            _modules.install_hooks()
+            exits.callback(_modules.uninstall_hooks)
+            exits.enter_context(torch.autograd.graph.saved_tensors_hooks(*self._hook_fns))
+            exits.enter_context(Recorder(self))
+            self._exits = exits.pop_all()
         self._open = True
         self._recording = True
 
@@ -144,12 +148,8 @@ class Region:
         self._recording = False
         self._open = False
         self._closed = True
-        for cm in self._exits:
-            cm.__exit__(None, None, None)
-        self._exits = []
+        self._exits.close()
         self._hook_fns = None
-        _modules.uninstall_hooks()
-        _tls.region = None
         self._settle()
         self._by_storage = None
         self._storages = {}
