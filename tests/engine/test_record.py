@@ -278,3 +278,43 @@ def test_kept_reasons_are_typed_and_readable() -> None:
     assert h not in region.tagged
     y.backward()
     torch.testing.assert_close(x.grad, 2 * x.detach().cos(), rtol=0, atol=0)
+
+
+class _FailsOnEnter:
+    def __call__(self, ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def on_region_enter(self, region: Any) -> None:
+        raise ValueError("cannot plan")
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_block_whose_push_fails_leaves_nothing_entered(nested: bool) -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from ckpt_graph.engine.region import current_region
+
+    top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+    x = torch.randn(4, requires_grad=True)
+    if nested:
+        with cg.save_recompute_policy("must_save_all") as region:
+            hooks = top_hooks(False)
+            with (
+                pytest.raises(ValueError, match="cannot plan"),
+                cg.save_recompute_policy(_FailsOnEnter()),
+            ):
+                pass
+            assert top_hooks(False) == hooks and current_region() is region
+            assert region.policies == (cg.engine.decisions.POLICY_NAMES["must_save_all"],)
+            y = x.sin().sum()
+        assert region.nodes[0].decided_by == "must_save_all"
+        y.backward()
+        torch.testing.assert_close(x.grad, x.detach().cos(), rtol=0, atol=0)
+    else:
+        with (
+            pytest.raises(ValueError, match="cannot plan"),
+            cg.save_recompute_policy(_FailsOnEnter()),
+        ):
+            pass
+    assert current_region() is None
+    assert top_hooks(False) is None and _get_current_dispatch_mode() is None
