@@ -267,7 +267,7 @@ _UNANNOTATED_WRITES: dict[str, tuple[int, ...]] = {
 
 # Ops whose schema declares a write that bumps no version counter in eager:
 # ``rrelu_with_noise`` fills its noise argument, which its backward formula reads, and
-# autograd saves that argument before the op runs. See Note [Silent writes] in record.py.
+# autograd saves that argument before the op runs. See Note [Silent writes] in write_prep.py.
 _UNVERSIONED_WRITES = frozenset({"aten::rrelu_with_noise"})
 
 _OP_INFO: dict[OpOverload, OpInfo] = {}
