@@ -131,7 +131,7 @@ def _why(region: Region, h: Handle) -> str:
     node = region.nodes[h.node_index]
     decision = getattr(node.decision, "name", str(node.decision))
     by = node.decided_by
-    if h.reason is not None and h.reason.startswith("engine"):
+    if h.reason is not None and h.reason.by_engine:
         return f"{h.reason}; the engine keeps it whatever the policies said ({decision})"
     if h.reason == "tag":
         return "tag_with_policy() on this value asked to keep it"
@@ -140,9 +140,7 @@ def _why(region: Region, h: Handle) -> str:
     if not by:
         return f"no policy answered for {node.info.name}: the default {decision} keeps it"
     verb = "keeps" if h.kept else "recomputes"
-    # The engine's fast path for string-named policy stacks records the name "policy".
-    who = "the region's named policy" if by == "policy" else f"policy {by}"
-    return f"{who} answered {decision} for {node.info.name}, which {verb} it"
+    return f"policy {by} answered {decision} for {node.info.name}, which {verb} it"
 
 
 def explain(region: Region, tensor: torch.Tensor) -> Explanation:

@@ -70,8 +70,8 @@ class OpRecord:
 def _decided_by(node: OpNode, tagged: set[Handle]) -> str:
     outs = [o for o in node.outputs if o is not None]
     for o in outs:
-        if o.reason is not None and o.reason.startswith("engine"):
-            return o.reason
+        if o.reason is not None and o.reason.by_engine:
+            return o.reason.value
     if outs and all(o in tagged for o in outs):
         return "tag"
     return node.decided_by or "default"
@@ -193,7 +193,7 @@ def to_dot(region: Region) -> str:
         lines.append(f'  in{h.index} [label="{label}", shape=ellipse, fillcolor="{_INPUT}"];')
     for node in region.nodes:
         reasons = [o.reason for o in node.outputs if o is not None and o.reason is not None]
-        if any(r.startswith("engine") for r in reasons):
+        if any(r.by_engine for r in reasons):
             colour, state = _ENGINE, "kept (engine)"
         elif reasons:
             colour, state = _KEPT, f"kept ({reasons[0]})"

@@ -52,6 +52,7 @@ __all__ = [
 ]
 
 from ckpt_graph.engine.decisions import SDPA_NO_FORMULA as _SDPA_NO_FORMULA
+from ckpt_graph.engine.graph import KeptReason
 
 
 def _shapes(a: Any) -> Any:
@@ -118,13 +119,13 @@ def _base(region: Region, h: Handle) -> Handle | None:
     return None
 
 
-def category(reason: str | None, h: Handle) -> str:
+def category(reason: KeptReason | None, h: Handle) -> str:
     """The summary category of a kept reason: input, snapshot, policy, tag or engine."""
     if reason is None:
         return "recomputed"
-    if reason.startswith("engine"):
+    if reason.by_engine:
         return "snapshot" if h.node_index < 0 else "engine"
-    return reason
+    return reason.value
 
 
 def storage_root(region: Region, h: Handle) -> Handle:
@@ -258,9 +259,9 @@ def recompute_chain(
 
 def decided_by(region: Region, h: Handle) -> str:
     """Who decided to keep or recompute ``h``: policy name, "tag", engine reason, "input"."""
-    if h.reason is not None and h.reason.startswith("engine"):
-        return h.reason
-    if h.reason == "tag" or h in region.tagged:
+    if h.reason is not None and h.reason.by_engine:
+        return h.reason.value
+    if h.reason is KeptReason.TAG or h in region.tagged:
         return "tag"
     if h.node_index < 0:
         return "input"

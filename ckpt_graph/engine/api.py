@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any, TypeVar
 
 import torch
@@ -85,7 +86,7 @@ class save_recompute_policy:
         self._cache_limit = parse_cache_limit(cache_limit)
         self._region: Region | None = None
         self._opened = False
-        self._hooks: Any = None
+        self._exits = ExitStack()  # what leaving the block undoes, in reverse order
 
     def __enter__(self) -> Region:
         if self._region is not None:
@@ -93,51 +94,40 @@ class save_recompute_policy:
                 "ckpt_graph: a save_recompute_policy block cannot be entered twice"
             )
         region = current_region()
-        if region is None:
-            region = Region(debug=self._debug, cache_limit=self._cache_limit)
-            region._open_region()
-            self._opened = True
-        else:
-            if self._cache_limit is not None and self._cache_limit != region.cache_limit:
-                raise CkptGraphError(
-                    f"ckpt_graph: a nested save_recompute_policy block asks for cache_limit="
-                    f"{self._cache_limit!r}, but its region (opened by the outermost block) "
-                    f"has cache_limit={region.cache_limit!r}; pass cache_limit to the "
-                    "outermost block only"
-                )
-            # See Note [Foreign saved-tensor hooks].
-            self._hooks = region._hooks_for_nested_block()
-            if self._hooks is not None:
-                self._hooks.__enter__()
-        self._region = region
-        try:
+        with ExitStack() as exits:  # unwound if a step raises: nothing stays pushed
+            if region is None:
+                region = Region(debug=self._debug, cache_limit=self._cache_limit)
+                region._open_region()
+                self._opened = True
+                exits.callback(region._close_region)
+            else:
+                if self._cache_limit is not None and self._cache_limit != region.cache_limit:
+                    raise CkptGraphError(
+                        f"ckpt_graph: a nested save_recompute_policy block asks for "
+                        f"cache_limit={self._cache_limit!r}, but its region (opened by the "
+                        f"outermost block) has cache_limit={region.cache_limit!r}; pass "
+                        "cache_limit to the outermost block only"
+                    )
+                hooks = region._hooks_for_nested_block()  # See Note [Foreign saved-tensor hooks].
+                if hooks is not None:
+                    exits.enter_context(hooks)
+            self._region = region
             region._push(self._policy)
-        except BaseException:
-            self._leave(region)
-            raise
+            exits.callback(region._pop)
+            self._exits = exits.pop_all()
         return region
 
     def __exit__(self, *exc: object) -> None:
         region = self._region
         assert region is not None
         changed = region._changed_globals() if self._opened else []
-        try:
-            region._pop()
-        finally:
-            self._leave(region)
+        self._exits.close()  # pop the policy, then the hooks, then close an opened region
         if changed and exc[0] is None:
             raise CkptGraphError(
                 f"ckpt_graph: {', '.join(changed)} changed inside the region: its ops ran under "
                 "two settings, and recompute can only use one (see Note [Replay globals]); "
                 "change the setting before the `with save_recompute_policy(...)` block or after it"
             )
-
-    def _leave(self, region: Region) -> None:
-        if self._hooks is not None:
-            self._hooks.__exit__(None, None, None)
-            self._hooks = None
-        if self._opened:
-            region._close_region()
 
 
 # Note [checkpoint as a drop-in for torch's]

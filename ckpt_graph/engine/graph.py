@@ -14,9 +14,12 @@ input*, which is always kept.
 # (``Handle.reason`` says which). Every other value is released by the forward as usual and
 # comes back in backward by realizing its handle (see Note [Realize order]).
 #
-# Ownership has no cycles: region -> op nodes -> handles -> kept values. Handles refer to
-# their producer by position (``node_index``), never by reference, and nothing refers back
-# to the region except the packed objects autograd holds (see Note [Packed lifetime]).
+# Ownership has no cycles once the region is closed: region -> op nodes -> handles -> kept
+# values. Handles refer to their producer by position (``node_index``), never by
+# reference; a view's handle refers to its ``base`` handle, which never refers back. While
+# the region is open, its recorder, saved-tensor hook closures and policy context refer to
+# it; closing drops all three. After that nothing refers back to the region but the
+# packed objects autograd holds (see Note [Packed lifetime]) and the user's own variable.
 """
 
 from __future__ import annotations
@@ -24,18 +27,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
 from torch._ops import OpOverload
 
-__all__ = ["Handle", "OpInfo", "OpNode", "arg_at", "op_info", "version_of"]
-
-# Kept reasons (``Handle.reason``); ``None`` means recomputed.
-INPUT = "input"
-POLICY = "policy"
-TAG = "tag"
-MUTATED_ALIAS = "engine: value changed by an in-place op on an alias"
+__all__ = ["Handle", "KeptReason", "OpInfo", "OpNode", "arg_at", "op_info", "version_of"]
 
 # Ops returning aliases of their input without saying so in their schema (each output has
 # a version counter of its own). See Note [Mutation and views], rule 6 (mutation.py); a
@@ -48,10 +46,40 @@ UNANNOTATED_ALIASES = frozenset(
         torch.ops.aten._unsafe_view.default,
     }
 )
-INPLACE_ON_KEPT = "engine: in-place op on a kept value"
-SILENT_WRITE = "engine: written in place without a version bump (backward reads the new value)"
-CLONED_BEFORE_MUTATION = "engine: copy of a kept value taken before an in-place op"
-RANDOM_WITHOUT_REPLAY = "engine: random op on a device without generator replay"
+
+
+class KeptReason(StrEnum):
+    """Why a handle's value is kept (``Handle.reason``; ``None`` means recomputed).
+
+    A ``str`` whose value is the readable text (``"policy"``, ``"engine: ..."``), so that
+    summaries and exports print it as is. The engine's own reasons (``by_engine``) hold
+    whatever a policy or a tag says: recomputing such a value would give wrong results.
+    """
+
+    INPUT = "input"
+    POLICY = "policy"
+    TAG = "tag"
+    MUTATED_ALIAS = "engine: value changed by an in-place op on an alias"
+    INPLACE_ON_KEPT = "engine: in-place op on a kept value"
+    SILENT_WRITE = "engine: written in place without a version bump (backward reads the new value)"
+    CLONED_BEFORE_MUTATION = "engine: copy of a kept value taken before an in-place op"
+    RANDOM_WITHOUT_REPLAY = "engine: random op on a device without generator replay"
+
+    @property
+    def by_engine(self) -> bool:
+        """Whether the engine keeps the value for correctness (no policy or tag may drop it)."""
+        return self not in _CHOSEN
+
+
+_CHOSEN = frozenset({KeptReason.INPUT, KeptReason.POLICY, KeptReason.TAG})
+INPUT = KeptReason.INPUT
+POLICY = KeptReason.POLICY
+TAG = KeptReason.TAG
+MUTATED_ALIAS = KeptReason.MUTATED_ALIAS
+INPLACE_ON_KEPT = KeptReason.INPLACE_ON_KEPT
+SILENT_WRITE = KeptReason.SILENT_WRITE
+CLONED_BEFORE_MUTATION = KeptReason.CLONED_BEFORE_MUTATION
+RANDOM_WITHOUT_REPLAY = KeptReason.RANDOM_WITHOUT_REPLAY
 
 
 def arg_at(args: Sequence[Any], kwargs: dict[str, Any], where: int | str) -> Any:
@@ -82,7 +110,7 @@ class Handle:
             observed after an in-place op; see Note [Mutation and views]).
         ref: weak reference to the forward tensor, for version checks.
         value: the kept tensor, or ``None`` when the value is recomputed.
-        reason: why the value is kept (``None`` when recomputed).
+        reason: why the value is kept, a :class:`KeptReason` (``None`` when recomputed).
         offload_device: original device of a value kept in host memory, else ``None``.
         shape, dtype, nbytes: metadata of the value; stride and device are filled in
             when autograd saves it (the fake implementation of ``ckpt_graph::unpack``).
@@ -151,7 +179,7 @@ class Handle:
         self.dtype = t.dtype
         self.nbytes: int = t.nbytes
         self.value: torch.Tensor | None = None
-        self.reason: str | None = None
+        self.reason: KeptReason | None = None
         self.offload_device: torch.device | None = None
         self.stride: tuple[int, ...] | None = None  # set when autograd saves the value
         self.device: torch.device | None = None  # likewise
@@ -174,7 +202,7 @@ class Handle:
         """Whether the region holds this value (it is never recomputed)."""
         return self.reason is not None
 
-    def keep(self, t: torch.Tensor, reason: str) -> None:
+    def keep(self, t: torch.Tensor, reason: KeptReason) -> None:
         """Hold ``t`` as this handle's value for the backward."""
         self.value = t
         self.reason = reason
@@ -239,7 +267,7 @@ _UNANNOTATED_WRITES: dict[str, tuple[int, ...]] = {
 
 # Ops whose schema declares a write that bumps no version counter in eager:
 # ``rrelu_with_noise`` fills its noise argument, which its backward formula reads, and
-# autograd saves that argument before the op runs. See Note [Silent writes] in record.py.
+# autograd saves that argument before the op runs. See Note [Silent writes] in write_prep.py.
 _UNVERSIONED_WRITES = frozenset({"aten::rrelu_with_noise"})
 
 _OP_INFO: dict[OpOverload, OpInfo] = {}
@@ -306,7 +334,8 @@ class OpNode:
         out_is_tuple: whether the op returned a tuple/list (vs. a single tensor).
         rng: ``(generator, state)`` captured just before a random op ran, else ``None``.
         decision: the resolved :class:`~torch.utils.checkpoint.CheckpointPolicy`.
-        decided_by: repr of the policy that set the decision (``""`` for the default).
+        decided_by: name of the policy that set the decision (``""`` for the default,
+            ``"engine"`` for an op node the engine added).
         module_path: qualified name of the innermost module running the op.
         flops: estimated FLOPs of one run (filled lazily; -1 until asked).
         stack: Python stack of the forward call (only with ``debug=True``).
@@ -317,7 +346,9 @@ class OpNode:
             (see Note [Bounded recompute cache]).
     """
 
-    # Class-level defaults, as for Handle: set in __init__ only what every node has.
+    # Class-level defaults (OpNode has no ``__slots__``, unlike Handle, whose every field
+    # ``__init__`` sets): ``__init__`` sets what every node has; the rest reads these until
+    # an instance sets its own, so a plain op node costs six attribute stores.
     outputs: tuple[Handle | None, ...] = ()
     out_is_tuple = False
     rng: tuple[torch.Generator, torch.Tensor] | None = None

@@ -82,6 +82,7 @@ from ckpt_graph.engine.graph import (
     arg_at,
     op_info,
 )
+from ckpt_graph.engine.holding import hold_copy, index_storage
 from ckpt_graph.engine.replay import exact_copy
 
 if TYPE_CHECKING:
@@ -91,7 +92,6 @@ __all__ = [
     "StorageHistory",
     "before_write",
     "capture_rng",
-    "index_storage",
     "mark_written",
     "overlap",
     "rebase",
@@ -126,15 +126,6 @@ class StorageHistory:
         self.head: Handle | None = None
         self.roots: set[Handle] = set()
         self.diverged = False
-
-
-def index_storage(region: Region, h: Handle) -> None:
-    """Add a kept value to the region's storage index (see ``before_write``)."""
-    assert region._by_storage is not None
-    if h.value is not None and h.offload_device is None:
-        key = h.value.untyped_storage().data_ptr()
-        if key:
-            region._by_storage.setdefault(key, []).append(h)
 
 
 def before_write(
@@ -173,7 +164,7 @@ def before_write(
         if not entries:
             continue
         remaining: list[Handle] = []
-        copied: list[Handle] = []
+        copied: list[tuple[Handle, torch.Tensor]] = []
         for k in entries:
             if k.value is None:
                 continue
@@ -190,23 +181,20 @@ def before_write(
                 continue
             if k.uses == 0 and (k is not written or info.returns_written):
                 continue  # nobody needs the old value (this op does if it has other outputs)
-            k.value = exact_copy(k.value)
-            if k.node_index < 0 or k.is_view:
-                # New memory the region holds: a region input or a view was not counted.
-                region.kept_bytes += k.value.untyped_storage().nbytes()
+            copy = exact_copy(k.value)
             if k.version >= 0:  # the copy carries the version the value had
-                _set_versions((k.value,), (k.version,))
+                _set_versions((copy,), (k.version,))
             else:
-                k.version = k.value._version
+                k.version = copy._version
             if info.silent_writes:
                 k.ref = None  # the tensor's version stays: it must not match ``k`` again
-            copied.append(k)
+            copied.append((k, copy))
         if remaining:
             region._by_storage[key] = remaining
         else:
             del region._by_storage[key]
-        for k in copied:
-            index_storage(region, k)
+        for k, copy in copied:
+            hold_copy(region, k, copy)
     return overwritten
 
 

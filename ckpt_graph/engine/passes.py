@@ -52,6 +52,7 @@ import torch
 
 from ckpt_graph.engine.cache_bound import segment_limit
 from ckpt_graph.engine.graph import Handle, version_of
+from ckpt_graph.engine.holding import detached, unhold
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
@@ -164,9 +165,7 @@ def _recompute_changed_kept(region: Region) -> None:
                 if not inputs_ok or o.packs > 0:
                     unavailable.add(o)
                     continue
-                if not o.is_view:
-                    region.kept_bytes -= o.nbytes
-                o.drop()
+                unhold(region, o)
                 _hold_inputs(region, node)
             elif o.value is None and _forward_tensor(o) is None:
                 unavailable.add(o)
@@ -194,7 +193,7 @@ def _hold_inputs(region: Region, node: OpNode) -> None:
         elif h.value is None:
             t = _forward_tensor(h)
             if t is not None:
-                h.value = region._detached(t)
+                h.value = detached(region, t)
 
 
 def _changed(h: Handle) -> bool:

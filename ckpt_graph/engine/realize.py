@@ -171,7 +171,7 @@ def _realized(h: Handle) -> torch.Tensor:
 # Note [Region inputs keep their identity]
 # A saved tensor that was a region input (a parameter, a mask, the block's input) and is
 # unchanged is unpacked as the original tensor object while it is alive, not as the alias
-# the region keeps (``Region._detached``), so ``ctx.saved_tensors[i] is w`` holds as in eager
+# the region keeps (``holding.detached``), so ``ctx.saved_tensors[i] is w`` holds as in eager
 # for tensors that do not require grad. The version check comes first (``_kept_value``).
 # Known limitation: autograd re-wraps whatever an unpack hook returns for a tensor that
 # requires grad (``SavedVariable::unpack`` with hooks), so such a tensor (a parameter) comes

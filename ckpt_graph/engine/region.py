@@ -1,14 +1,17 @@
-"""Regions: ``save_recompute_policy``, ``checkpoint`` and ``tag_with_policy``.
+"""The region: the recorded graph of one checkpointed forward, and what backward needs.
 
-A region is opened by the outermost ``save_recompute_policy`` block of a thread and
-closed when that block exits; inner blocks push their policy onto the same region. While
-open, the region's :class:`~ckpt_graph.engine.record.Recorder` records every aten op and its
-saved-tensor hooks pack handles instead of tensors (see ``hooks.py``).
+A region is opened by the outermost ``save_recompute_policy`` block of a thread (see
+``api.py``) and closed when that block exits; inner blocks push their policy onto it
+(``_push`` / ``_pop``). While open, its :class:`~ckpt_graph.engine.record.Recorder` records
+every aten op and its saved-tensor hooks pack handles instead of tensors (``hooks.py``).
+This module holds the region's state and lifecycle, its map from tensors to handles
+(``handle_of``) and tags; recording is in ``record.py``, backward in ``realize.py``.
 """
 
 from __future__ import annotations
 
 import threading
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -22,10 +25,11 @@ from ckpt_graph.engine.debug import kept_checksums
 from ckpt_graph.engine.decisions import POLICY_NAMES, PolicyContext, PolicyFn, resolve
 from ckpt_graph.engine.decisions import to_decision as _to_decision
 from ckpt_graph.engine.graph import Handle, OpNode, version_of
+from ckpt_graph.engine.holding import detached, hold, unhold
 from ckpt_graph.engine.hooks import pack_hook_for, unpack_hook_for_autograd
-from ckpt_graph.engine.mutation import StorageHistory, index_storage, rebase
+from ckpt_graph.engine.mutation import StorageHistory, rebase
+from ckpt_graph.engine.outputs import KEEP as _KEEP
 from ckpt_graph.engine.passes import PassState
-from ckpt_graph.engine.record import KEEP as _KEEP
 from ckpt_graph.engine.record import Recorder
 from ckpt_graph.engine.release import count_live_uses, lose_use
 from ckpt_graph.engine.replay import REPLAY_GLOBALS, replay_globals
@@ -33,7 +37,6 @@ from ckpt_graph.engine.replay import REPLAY_GLOBALS, replay_globals
 __all__ = ["Region", "current_region"]
 
 _tls = threading.local()
-_DK = torch._C.DispatchKey
 
 
 def current_region() -> Region | None:
@@ -81,8 +84,9 @@ class Region:
         self.cache_limit = parse_cache_limit(cache_limit)
         self._policies: list[PolicyFn] = []
         self._constant: CheckpointPolicy | None = None
+        self._constant_by = ""  # the name that decided ``_constant``
         self._ids: dict[int, Handle] = {}
-        self._shapes: dict[torch.Size, torch.Size] = {}  # See Note [Recording fast path].
+        self._shapes: dict[torch.Size, torch.Size] = {}  # See Note [One recording path].
         self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # likewise, saved tensors
         self._by_storage: dict[int, list[Handle]] | None = None
         self._storages: dict[int, StorageHistory] = {}  # See Note [Mutation and views].
@@ -95,7 +99,7 @@ class Region:
         self._live_packs = 0
         self._ctx: PolicyContext | None = None
         self._modules = _modules.ModuleStack()
-        self._exits: list[Any] = []
+        self._exits = ExitStack()  # while open: what closing undoes
         self._hook_fns: tuple[Any, Any] | None = None  # while open: refers to the region
         self._pass = PassState()
         self._kept_sums: dict[Handle, tuple[float, float, float]] = {}  # when debug
@@ -113,14 +117,15 @@ class Region:
         self._task = torch._C._current_graph_task_id()
         self._globals = replay_globals()
         self._ctx = PolicyContext(self)
-        _tls.region = self
-        _modules.install_hooks()
         self._hook_fns = (pack_hook_for(self), unpack_hook_for_autograd())
-        hooks = torch.autograd.graph.saved_tensors_hooks(*self._hook_fns)
-        recorder = Recorder(self)
-        hooks.__enter__()
-        recorder.__enter__()
-        self._exits = [recorder, hooks]
+        with ExitStack() as exits:  # undone in reverse order, also if a step raises
+            _tls.region = self
+            exits.callback(setattr, _tls, "region", None)
+            _modules.install_hooks()
+            exits.callback(_modules.uninstall_hooks)
+            exits.enter_context(torch.autograd.graph.saved_tensors_hooks(*self._hook_fns))
+            exits.enter_context(Recorder(self))
+            self._exits = exits.pop_all()
         self._open = True
         self._recording = True
 
@@ -139,12 +144,8 @@ class Region:
         self._recording = False
         self._open = False
         self._closed = True
-        for cm in self._exits:
-            cm.__exit__(None, None, None)
-        self._exits = []
+        self._exits.close()
         self._hook_fns = None
-        _modules.uninstall_hooks()
-        _tls.region = None
         self._settle()
         self._by_storage = None
         self._storages = {}
@@ -183,7 +184,7 @@ class Region:
     # handle in two flat lists, and ``saved`` pairs them up when read (the budget policy
     # and introspection read it; plain recording never does). Appending to two lists
     # creates no object, where a tuple per save would be one more object for the garbage
-    # collector to walk (see Note [Recording fast path]).
+    # collector to walk (see Note [One recording path]).
     @property
     def saved(self) -> list[tuple[int, Handle]]:
         """Every tensor autograd saved in the region, in order: ``(number of op nodes
@@ -209,7 +210,7 @@ class Region:
                 h.version = version_of(t)
                 if h.value is not None and h.offload_device is None:
                     # A view got its base's version counter only now: alias it again.
-                    h.value = self._detached(t)
+                    h.value = detached(self, t)
         self._unsettled.clear()
 
     def lookup(self, t: torch.Tensor) -> Handle | None:
@@ -240,73 +241,10 @@ class Region:
         else:
             reason = graph.INPUT
         h = Handle(t, -1, len(self.inputs))
-        h.keep(self._detached(t), reason)
         self.inputs.append(h)
         self._ids[id(t)] = h
-        if self._by_storage is not None:
-            index_storage(self, h)
+        hold(self, h, t, reason)
         return h
-
-    def _scan(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Handle, ...]]:
-        """Replace tensors by handles in an op's arguments (flat scan, no pytree)."""
-        inputs: list[Handle] = []
-        h_args = list(args)
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
-                h_args[i] = h = self.handle_of(a)
-                inputs.append(h)
-            elif type(a) is list or type(a) is tuple:
-                h_args[i] = self._scan_list(a, inputs)
-        if kwargs:
-            kwargs = {k: self._scan_one(v, inputs) for k, v in kwargs.items()}
-        if len(inputs) > 1:
-            return tuple(h_args), kwargs, tuple(dict.fromkeys(inputs))
-        return tuple(h_args), kwargs, tuple(inputs)
-
-    def _scan_list(self, a: list[Any] | tuple[Any, ...], inputs: list[Handle]) -> Any:
-        if not any(isinstance(e, torch.Tensor) for e in a):
-            return a
-        return [self._scan_one(e, inputs) for e in a]
-
-    def _scan_one(self, a: Any, inputs: list[Handle]) -> Any:
-        if isinstance(a, torch.Tensor):
-            h = self.handle_of(a)
-            inputs.append(h)
-            return h
-        if type(a) is list or type(a) is tuple:
-            return self._scan_list(a, inputs)
-        return a
-
-    # ----------------------------------------------------------------- recording
-    def _keep(self, h: Handle, t: torch.Tensor, reason: str, offload: bool | None) -> None:
-        if offload and t.device.type != "cpu":
-            h.offload_device = t.device
-            t = t.to("cpu", non_blocking=True)
-        h.keep(self._detached(t), reason)
-
-    def _detached(self, t: torch.Tensor) -> torch.Tensor:
-        """An alias of ``t`` without autograd history, for the region to keep.
-
-        Kept values must not refer to the autograd graph: the graph holds the packed
-        saved tensors, which hold the region, which would make a reference cycle. The
-        recorder runs below autograd, where ``detach`` would give the alias a version
-        counter of its own; re-enabling the ADInplaceOrView key for the call makes it
-        share the forward tensor's counter, so later in-place changes stay visible.
-        """
-        if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
-            include = torch._C._dispatch_tls_local_include_set()
-            exclude = torch._C._dispatch_tls_local_exclude_set()
-            exclude = exclude.remove(_DK.ADInplaceOrView).add(_DK.Python).add(_DK.PythonTLSSnapshot)
-            with torch._C._ForceDispatchKeyGuard(include, exclude):
-                return t.detach()
-        recording = self._recording
-        self._recording = False
-        try:
-            return t.detach()
-        finally:
-            self._recording = recording
 
     # ----------------------------------------------------------------- policies
     # Note [Failed policy push]
@@ -334,12 +272,15 @@ class Region:
             hook(self)
 
     def _update_constant(self) -> None:
-        # Fast path: a stack of string-named policies decides without calling anything.
+        # A stack of string-named policies decides every op alike, without calling anything
+        # (the op node is made with the decision; see ``record_node``).
         consts = [p for p in self._policies if p in POLICY_NAMES.values()]
         self._constant = None
+        self._constant_by = ""
         if self._policies and len(consts) == len(self._policies):
-            decision, _ = resolve(self._policies, PolicyContext(self), None, None, (), {})
-            self._constant = decision
+            self._constant, self._constant_by = resolve(
+                self._policies, PolicyContext(self), None, None, (), {}
+            )
 
     @property
     def policies(self) -> tuple[PolicyFn, ...]:
@@ -356,22 +297,18 @@ class Region:
                 "ckpt_graph: tag_with_policy needs a CheckpointPolicy or a bool, got None"
             )
         h = self.handle_of(t)
-        if h.node_index < 0 or (h.reason is not None and h.reason.startswith("engine")):
+        if h.node_index < 0 or (h.reason is not None and h.reason.by_engine):
             return  # region inputs and engine-kept values are always kept
         # Per value, not per op node: a tag on one output of a multi-output op (``split``)
         # says nothing about its siblings, which keep the policies' decision.
         self.tagged.add(h)
         if decision in _KEEP:
             if not h.kept:
-                self._keep(h, t, graph.TAG, _KEEP[decision])
-                self.kept_bytes += 0 if h.is_view else h.nbytes
-                if self._by_storage is not None:
-                    index_storage(self, h)
+                hold(self, h, t, graph.TAG, _KEEP[decision])
             else:
                 h.reason = graph.TAG
         elif h.kept:
-            self.kept_bytes -= 0 if h.is_view else h.nbytes
-            h.drop()
+            unhold(self, h)
 
     # ----------------------------------------------------------------- backward
     def _pack_released(self, h: Handle) -> None:

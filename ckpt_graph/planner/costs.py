@@ -137,7 +137,7 @@ def kept_ops_of(region: Region) -> frozenset[int]:
     return frozenset(
         n.index
         for n in region.nodes
-        if any(o is not None and o.kept and not o.reason.startswith("engine") for o in n.outputs)  # type: ignore[union-attr]
+        if any(o is not None and o.reason is not None and not o.reason.by_engine for o in n.outputs)
     )
 
 
@@ -204,7 +204,7 @@ def from_region(
             values.append(SimValue(out.nbytes, node.index, root, out.is_view))
             floating.append(out.dtype.is_floating_point and root == v)
             outs.append(v)
-            decided = node.index not in free or (out.reason or "").startswith("engine")
+            decided = node.index not in free or (out.reason is not None and out.reason.by_engine)
             if out.reason == INPLACE_ON_KEPT and root != v and values[root].producer in free:
                 decided = False  # See Note [In-place writes to kept values]
             if out.kept and decided:

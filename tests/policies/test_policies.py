@@ -864,28 +864,20 @@ def _graph_facts(region: Any) -> list[tuple[Any, ...]]:
     [models.save_matmuls, policies.save_matmuls(), "recompute_all"],
     ids=["function", "save_matmuls", "recompute_all"],
 )
-def test_recording_fast_path_records_what_the_general_path_does(
-    name: str, policy: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """See Note [Recording fast path]: with every op forced through the general path, the
-    recorded graph, decisions, kept values and gradients are the same."""
-    from ckpt_graph.engine import record
+def test_debug_region_records_what_a_plain_region_does(name: str, policy: Any) -> None:
+    """See Note [One recording path]: a debug region adds checks to the recording, never
+    another way of recording: the graph, decisions, kept values and gradients are the same."""
 
-    def forward() -> tuple[Any, list[torch.Tensor]]:
+    def forward(debug: bool) -> tuple[Any, list[torch.Tensor]]:
         model, x = models.make_model(name)
-        with ckpt_graph.save_recompute_policy(policy) as region:
+        with ckpt_graph.save_recompute_policy(policy, debug=debug) as region:
             y = model(x)
         facts = _graph_facts(region)
         y.sum().backward()
         return facts, [p.grad for p in model.parameters()]
 
-    class _NothingIsPlain(dict[int, Any]):
-        def __setitem__(self, key: int, value: Any) -> None:
-            pass
-
-    fast = forward()
-    monkeypatch.setattr(record, "_PLAIN", _NothingIsPlain())  # the general path only
-    general = forward()
-    assert fast[0] == general[0]
-    for a, b in zip(fast[1], general[1], strict=True):
+    plain = forward(False)
+    debug = forward(True)
+    assert plain[0] == debug[0]
+    for a, b in zip(plain[1], debug[1], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -1,0 +1,107 @@
+"""Holding values: the one place the region keeps a value for backward and lets it go.
+
+# Note [Holding values]
+# The region holds a value in one place, ``hold``, and lets it go in one, ``unhold``:
+#   1. Holding sets the handle's value (an alias of the forward tensor without autograd
+#      history, or a host copy when offloaded) and its reason.
+#   2. ``kept_bytes`` counts memory the region holds that nobody else accounts for: an
+#      op output that is not a view. A region input is the caller's; a view's bytes
+#      belong to its base. The kept new version of a value an in-place op overwrote
+#      is the same memory, counted once (``hold_new_version``); a copy taken before a
+#      write is new memory for an input or a view (``hold_copy``).
+#   3. A held value joins the storage index, once that is built (see ``before_write``).
+# Undoing a failed in-place op restores handles and ``kept_bytes`` as they were instead
+# (see Note [Failed in-place ops]), and a released region drops every value at once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ckpt_graph.engine import graph
+from ckpt_graph.engine.graph import Handle
+
+if TYPE_CHECKING:
+    from ckpt_graph.engine.region import Region
+
+__all__ = ["detached", "hold", "hold_copy", "hold_new_version", "index_storage", "unhold"]
+
+_DK = torch._C.DispatchKey
+
+
+def hold(
+    region: Region,
+    h: Handle,
+    t: torch.Tensor,
+    reason: graph.KeptReason,
+    offload: bool = False,
+    count: bool = True,
+) -> None:
+    """Keep ``t`` as the value of ``h``. See Note [Holding values]."""
+    if offload and t.device.type != "cpu":
+        h.offload_device = t.device
+        t = t.to("cpu", non_blocking=True)
+    h.keep(detached(region, t), reason)
+    if count and h.node_index >= 0 and not h.is_view:
+        region.kept_bytes += h.nbytes
+    if region._by_storage is not None:
+        index_storage(region, h)
+
+
+def hold_new_version(region: Region, old: Handle, h: Handle, t: torch.Tensor) -> None:
+    """Keep the result ``t`` of an in-place op over the kept value ``old``, which nobody
+    used: the same memory, so ``old`` lets its value go and ``h`` is not counted again.
+    See Note [Holding values]."""
+    hold(region, h, t, graph.INPLACE_ON_KEPT, count=False)
+    old.value = None  # superseded: its saved tensors raise the version error
+
+
+def hold_copy(region: Region, h: Handle, copy: torch.Tensor) -> None:
+    """Keep ``copy`` instead of the alias ``h`` held, before a write changes the alias.
+    See Note [Holding values]."""
+    h.value = copy
+    if h.node_index < 0 or h.is_view:
+        region.kept_bytes += copy.untyped_storage().nbytes()
+    if region._by_storage is not None:
+        index_storage(region, h)
+
+
+def unhold(region: Region, h: Handle) -> None:
+    """Stop keeping the value of ``h``: it is recomputed. See Note [Holding values]."""
+    if h.node_index >= 0 and not h.is_view:
+        region.kept_bytes -= h.nbytes
+    h.drop()
+
+
+def index_storage(region: Region, h: Handle) -> None:
+    """Add a kept value to the region's storage index (see ``before_write``)."""
+    assert region._by_storage is not None
+    if h.value is not None and h.offload_device is None:
+        key = h.value.untyped_storage().data_ptr()
+        if key:
+            region._by_storage.setdefault(key, []).append(h)
+
+
+def detached(region: Region, t: torch.Tensor) -> torch.Tensor:
+    """An alias of ``t`` without autograd history, for the region to keep.
+
+    Kept values must not refer to the autograd graph: the graph holds the packed saved
+    tensors, which hold the region, which would make a reference cycle. The recorder runs
+    below autograd, where ``detach`` would give the alias a version counter of its own;
+    re-enabling the ADInplaceOrView key for the call makes it share the forward tensor's
+    counter, so later in-place changes stay visible.
+    """
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        include = torch._C._dispatch_tls_local_include_set()
+        exclude = torch._C._dispatch_tls_local_exclude_set()
+        exclude = exclude.remove(_DK.ADInplaceOrView).add(_DK.Python).add(_DK.PythonTLSSnapshot)
+        with torch._C._ForceDispatchKeyGuard(include, exclude):
+            return t.detach()
+    recording = region._recording
+    region._recording = False
+    try:
+        return t.detach()
+    finally:
+        region._recording = recording

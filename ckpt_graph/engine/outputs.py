@@ -1,0 +1,166 @@
+"""An op node's outputs: their handles (fresh values, views, new versions of written
+arguments) and what the region keeps of them (``decide``).
+
+The last two steps of Note [One recording path] (``record.py``).
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ckpt_graph.engine import graph
+from ckpt_graph.engine.debug import checksums
+from ckpt_graph.engine.decisions import resolve
+from ckpt_graph.engine.graph import Handle, OpInfo, OpNode
+from ckpt_graph.engine.holding import hold, hold_new_version
+from ckpt_graph.engine.mutation import after_write, mark_written
+
+if TYPE_CHECKING:
+    from ckpt_graph.engine.region import Region
+
+__all__ = ["KEEP", "decide", "record_node"]
+
+_Tensor = torch.Tensor
+
+# Decisions that keep a value, and whether they keep it in host memory.
+KEEP = {
+    CheckpointPolicy.MUST_SAVE: False,
+    CheckpointPolicy.PREFER_SAVE: False,
+    CheckpointPolicy.MUST_CPU_OFFLOAD: True,
+    CheckpointPolicy.PREFER_CPU_OFFLOAD: True,
+}
+_KEEP_IDS = frozenset(id(d) for d in KEEP)  # for every op: Enum.__hash__ is Python code
+
+
+def record_node(
+    region: Region,
+    op: Any,
+    info: OpInfo,
+    h_args: tuple[Any, ...],
+    h_kwargs: dict[str, Any],
+    inputs: tuple[Handle, ...],
+    out: Any,
+    rng: tuple[torch.Generator, torch.Tensor] | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> OpNode:
+    """Append the op node of one call, with a handle per tensor output."""
+    nodes = region.nodes
+    index = len(nodes)
+    node = OpNode(index, op, info, h_args, h_kwargs, inputs)
+    # A constant policy stack decides every op alike; ``decide`` asks callable ones.
+    node.decision = region._constant
+    node.decided_by = region._constant_by
+    node.module_path = region._modules.current_path
+    if rng is not None:
+        node.rng = rng
+    for h in inputs:
+        h.uses += 1
+    previous: Handle | None = None
+    if info.writes:
+        previous = mark_written(region, info, h_args, h_kwargs, args, kwargs)
+    ids = region._ids
+    shapes = region._shapes
+    if isinstance(out, _Tensor):
+        h = Handle(out, index, 0)
+        if info.view_outputs or info.returns_written:
+            _alias_output(region, info, h, inputs, previous)
+        ids[id(out)] = h
+        node.outputs = (h,)
+        handles: Any = node.outputs
+    else:
+        node.out_is_tuple = True
+        handles = []
+        for j, o in enumerate(out):
+            if not isinstance(o, _Tensor):
+                handles.append(None)
+                continue
+            h = Handle(o, index, j)
+            if info.view_outputs or info.returns_written:  # a list return: every element
+                _alias_output(region, info, h, inputs, previous)
+            ids[id(o)] = h
+            handles.append(h)
+        node.outputs = tuple(handles)
+    for h in handles:
+        if h is not None:
+            shape = h.shape
+            try:  # noqa: SIM105 (``suppress`` would make an object per output)
+                h.shape = shapes.setdefault(shape, shape)
+            except TypeError:  # symbolic sizes are not hashable: no sharing
+                pass
+    if info.writes and region._writing is not None:  # See Note [Mutation and views], rule 3.
+        after_write(region, node.outputs[0] if len(node.outputs) == 1 else None)
+    if region.debug:
+        node.stack = "".join(traceback.format_stack(limit=14)[:-4])
+        node.checksums = checksums(out if node.out_is_tuple else (out,))
+    nodes.append(node)
+    return node
+
+
+def _alias_output(
+    region: Region, info: OpInfo, h: Handle, inputs: tuple[Handle, ...], previous: Handle | None
+) -> None:
+    """Set up the output handle of an in-place or view op. See Note [Mutation and views]."""
+    h.version = -1  # rule 5: autograd sets the version after the recorder returns
+    region._unsettled.append(h)
+    if info.returns_written:
+        if previous is not None:  # rule 6
+            h.is_view, h.has_views = previous.is_view, previous.has_views
+            h.base = previous.base
+            if h.base is not None:
+                h.base_writes = h.base.writes
+    elif inputs:
+        h.is_view = True
+        b = inputs[0]
+        b.has_views = True
+        h.base = b.base or b
+        h.base_writes = h.base.writes
+    else:
+        h.is_view = True
+
+
+def decide(
+    region: Region,
+    node: OpNode,
+    out: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    overwritten: Handle | None,
+) -> None:
+    """Settle what the region keeps of one op node's outputs.
+
+    The node carries its stack's constant decision already (``record_node``); a callable
+    stack (decision ``None``) is asked here. See Note [Policy stack resolution].
+    """
+    decision = node.decision
+    if decision is None:
+        ctx = region._ctx
+        assert ctx is not None
+        ctx._set(node.index, node.op, node.info, out, args, kwargs)
+        region._recording = False  # a policy's own tensor ops are not part of the region
+        try:
+            decision, node.decided_by = resolve(region._policies, ctx, out, node.op, args, kwargs)
+        finally:
+            region._recording = True
+            ctx._clear()
+        node.decision = decision
+    keep = id(decision) in _KEEP_IDS
+    reason = graph.POLICY
+    if node.info.is_random and node.rng is None and overwritten is None:
+        # No generator replay for this device (see Note [RNG replay]): recomputing would
+        # draw other values, so the engine keeps them, whatever the policy or a tag says.
+        keep = True
+        reason = graph.RANDOM_WITHOUT_REPLAY
+    elif not keep and overwritten is None:
+        return
+    for o, h in zip(out if node.out_is_tuple else (out,), node.outputs, strict=True):
+        if h is None:
+            continue
+        if overwritten is not None:
+            hold_new_version(region, overwritten, h, o)
+        elif keep:
+            hold(region, h, o, reason, KEEP.get(decision, False))

@@ -1,0 +1,111 @@
+"""Before an in-place op runs: keep what a silent write changes, and note what to restore
+if the op raises.
+
+The recorder calls these for ops whose ``OpInfo.writes`` is set, around ``before_write``
+(see Note [Mutation and views] in ``mutation.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ckpt_graph.engine import graph
+from ckpt_graph.engine.graph import Handle, OpInfo, arg_at
+from ckpt_graph.engine.holding import hold
+
+if TYPE_CHECKING:
+    from ckpt_graph.engine.region import Region
+
+__all__ = ["keep_silently_written", "restore", "write_state"]
+
+
+# Note [Silent writes]
+# Some writes bump no version counter (``OpInfo.silent_writes``): CPU ``native_batch_norm``
+# updating running statistics, ``rrelu_with_noise`` filling its noise argument. Autograd
+# saves ``noise`` before the op runs, and eager's backward reads whatever the tensor holds
+# then: the values the op wrote. A recomputed handle of the written argument would give
+# the values before the write (``empty_like``'s garbage), so the written argument is kept
+# as an alias of the forward tensor before the op runs (reason ``SILENT_WRITE``): the alias
+# sees the write, as eager's saved tensor does, and ``before_write`` does not replace it by
+# a copy. Region inputs (running statistics) are kept anyway, and copied before the write
+# for the op nodes that read them earlier.
+
+
+def keep_silently_written(
+    region: Region,
+    info: OpInfo,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    h_args: tuple[Any, ...],
+    h_kwargs: dict[str, Any],
+) -> None:
+    """Keep recomputed arguments a silent write changes. See Note [Silent writes]."""
+    for w in info.writes:
+        t = arg_at(args, kwargs, w)
+        h = arg_at(h_args, h_kwargs, w)
+        if not isinstance(t, torch.Tensor) or not isinstance(h, Handle) or h.node_index < 0:
+            continue
+        if h.reason is None:
+            hold(region, h, t, graph.SILENT_WRITE)
+        elif h.reason is graph.POLICY or h.reason is graph.TAG:
+            h.reason = graph.SILENT_WRITE  # already an alias; ``before_write`` must not copy it
+
+
+# Note [Failed in-place ops]
+# ``before_write`` prepares a region for an in-place op before the op runs: it supersedes
+# the old values of the written tensor and of its view bases, and replaces kept values in
+# the written storage by copies. An op can still raise (``y[0:2].add_(torch.ones(3))``: a
+# shape error), and code may catch that and go on; eager then has nothing changed. So the
+# handles ``before_write`` (and ``keep_silently_written``) may touch are noted first
+# (``write_state``: the view bases of each written handle and every kept value in a
+# written storage; only for ops that write) and restored with ``kept_bytes`` if the op
+# raises (``restore``), and nothing is recorded. The storage index
+# is rebuilt at the next write. Without this, a saved tensor of the base raised an error
+# about `.data` in backward.
+_Undo = list[tuple[Handle, bool, Any, int, Any, graph.KeptReason | None]]
+
+
+def write_state(
+    region: Region,
+    info: OpInfo,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    h_args: tuple[Any, ...],
+    h_kwargs: dict[str, Any],
+) -> _Undo:
+    """What ``before_write`` may change. See Note [Failed in-place ops]."""
+    touched: dict[int, Handle] = {}
+    by_storage = region._by_storage
+    for w in info.writes:
+        t = arg_at(args, kwargs, w)
+        h = arg_at(h_args, h_kwargs, w)
+        if not isinstance(t, torch.Tensor) or not isinstance(h, Handle):
+            continue
+        touched[id(h)] = h
+        while h.is_view and h.node_index >= 0 and region.nodes[h.node_index].inputs:
+            h = region.nodes[h.node_index].inputs[0]
+            touched[id(h)] = h
+        key = t.untyped_storage().data_ptr()
+        if by_storage is not None:
+            entries: Any = by_storage.get(key, ())
+        else:  # not built yet: the first write of the region (see ``before_write``)
+            entries = [
+                o
+                for o in (*region.inputs, *(o for n in region.nodes for o in n.outputs))
+                if o is not None
+                and o.value is not None
+                and o.offload_device is None
+                and o.value.untyped_storage().data_ptr() == key
+            ]
+        for k in entries:
+            touched[id(k)] = k
+    return [(h, h.superseded, h.value, h.version, h.ref, h.reason) for h in touched.values()]
+
+
+def restore(region: Region, undo: _Undo) -> None:
+    """Undo ``before_write`` for an op that raised. See Note [Failed in-place ops]."""
+    for h, superseded, value, version, ref, reason in undo:
+        h.superseded, h.value, h.version, h.ref, h.reason = superseded, value, version, ref, reason
+    region._by_storage = None
