@@ -309,7 +309,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
         assert bound is not None
         nbytes = values[v].nbytes
         if bound.view[v]:
-            r = storage[v]
+            r = bound.root[v]
             if kept[r] or values[r].producer < 0 or cached[r] or r in bound.segment_roots:
                 nbytes = 0
             else:

@@ -30,6 +30,19 @@ class Bound:
         self.view = [
             v.storage != k if v.is_view is None else v.is_view for k, v in enumerate(values)
         ]
+        # The engine's root of a value (``cache_bound.root_of``): through its views only, to
+        # the first kept value. An alias the engine does not mark as a view (Note
+        # [Unannotated aliases]) shares its input's storage in the graph but is a root here,
+        # as it is for the engine's segment sizes.
+        self.root = list(range(len(values)))
+        for v in range(len(values)):
+            r = v
+            while self.view[r] and not kept[r]:
+                p = values[r].producer
+                if p < 0 or not ops[p].inputs:
+                    break
+                r = ops[p].inputs[0]
+            self.root[v] = r
         packs = [0] * len(values)
         for _, v in g.saved:
             packs[v] += 1
@@ -38,7 +51,7 @@ class Bound:
         for v, val in enumerate(values):
             if val.producer < 0 or kept[v] or pending[v] <= 0:
                 continue
-            r = val.storage
+            r = self.root[v]
             if kept[r] or values[r].producer < 0:
                 continue
             end[r] = max(end.get(r, 0), last[v] if last[v] >= 0 else val.producer)
@@ -70,7 +83,7 @@ class Bound:
 
     def frontier(self) -> int:
         """Bytes of the storages the running realize's values still to be read hold."""
-        return sum(self.nbytes(r) for r in {self.g.values[a].storage for a in self.active})
+        return sum(self.nbytes(r) for r in {self.root[a] for a in self.active})
 
     def _first_realize_bytes(self, packs: list[int]) -> int:
         values, ops, kept = self.g.values, self.g.ops, self.kept
@@ -84,7 +97,7 @@ class Bound:
             op = ops[stack.pop()]
             for o in op.outputs:
                 if not kept[o] and packs[o]:
-                    roots.add(values[o].storage)
+                    roots.add(self.root[o])
             for i in op.inputs:
                 if not kept[i] and values[i].producer not in seen:
                     seen.add(values[i].producer)
