@@ -175,20 +175,26 @@ def budget_row(model: GPT, x: torch.Tensor, fraction: float) -> dict[str, Any]:
 
     planning: list[float] = []
     costs: dict[int, int] = {}
-    plan = policy._plan
+    op_costs, plan_step = policy._op_costs, policy._plan_step
 
-    def timed_plan(region: Any, run: Any) -> Any:
-        costs.update(policy._op_costs(run))  # the per-op costs the policy plans with
+    def recorded_costs(run: Any) -> dict[int, int]:
+        out = op_costs(run)
+        costs.update(out)  # the per-op costs the policy plans with
+        return out
+
+    def timed_plan() -> bool:
         t = time.perf_counter()
-        out = plan(region, run)
+        out = plan_step()
         planning.append(time.perf_counter() - t)
         return out
 
-    policy._plan = timed_plan  # type: ignore[method-assign]
+    policy._op_costs = recorded_costs  # type: ignore[method-assign]
+    policy._plan_step = timed_plan  # type: ignore[method-assign]
     t0 = time.perf_counter()
     with warnings.catch_warnings(), SolveProbe() as solves:
         warnings.simplefilter("ignore")
-        step()  # heuristic + planning
+        step()  # heuristic
+        policy.report()  # plans the step (otherwise done when the next step starts)
     step1_s = time.perf_counter() - t0 - solves.rows[0][1]  # without the extra greedy solve
     greedy_cost, greedy_s, _, all_s, _ = solves.rows[0]
     first = box[-1]
