@@ -150,12 +150,19 @@ def policy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def resolve(
-    stack: list[PolicyFn], ctx: PolicyContext, out: Any, op: Any, args: Any, kwargs: Any
+    stack: list[PolicyFn],
+    ctx: PolicyContext,
+    out: Any,
+    op: Any,
+    args: Any,
+    kwargs: Any,
+    names: list[str] | None = None,
 ) -> tuple[CheckpointPolicy, str]:
     """Ask every policy of the stack about one op. See Note [Policy stack resolution].
 
     Each policy is called as ``policy(ctx, out, op, *args, **policy_kwargs(kwargs))``: see
-    Note [Policy keyword arguments].
+    Note [Policy keyword arguments]. ``names``: the policies' names, when the caller
+    keeps them (a name can cost a ``repr`` per op).
 
     Returns:
         The decision and the name of the policy that set it (``""`` for the default).
@@ -169,10 +176,10 @@ def resolve(
             return CheckpointPolicy.PREFER_SAVE, ""
         if type(answer) is not CheckpointPolicy:
             answer = to_decision(answer, policy, ctx.op_name)
-        return answer, policy_name(policy)
+        return answer, names[0] if names is not None else policy_name(policy)
     decision = CheckpointPolicy.PREFER_SAVE
     by = ""
-    for policy in stack:
+    for k, policy in enumerate(stack):
         answer = to_decision(policy(ctx, out, op, *args, **kwargs), policy, ctx.op_name)
         if answer is None:
             continue
@@ -187,7 +194,7 @@ def resolve(
         elif decision in _MUST:
             continue
         decision = answer
-        by = policy_name(policy)
+        by = names[k] if names is not None else policy_name(policy)
     return decision, by
 
 
@@ -284,6 +291,14 @@ SDPA_NO_FORMULA = frozenset(
         _aten._scaled_dot_product_fused_attention_overrideable,
     }
 )
+
+
+def has_flop_formula(op: Any) -> bool:
+    """Whether ``estimate_flops`` has a formula for ``op`` (else it returns 0)."""
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(op, "overloadpacket", None)
+    return packet in SDPA_NO_FORMULA or packet in flop_registry
 
 
 def estimate_flops(op: Any, out: Any, args: Any, kwargs: Any) -> int:

@@ -10,6 +10,11 @@
 #      is the same memory, counted once (``hold_new_version``); a copy taken before a
 #      write is new memory for an input or a view (``hold_copy``).
 #   3. A held value joins the storage index, once that is built (see ``before_write``).
+#   4. A region input that is a leaf (a parameter, a batch) is held as itself, not as an
+#      alias: it has no autograd history that could refer back to the region, and replay
+#      runs under no grad (see Note [RNG replay]), so it builds no graph from it. Making
+#      the alias below autograd costs microseconds per input, and a model has an input
+#      per parameter in every region, every step.
 # Undoing a failed in-place op restores handles and ``kept_bytes`` as they were instead
 # (see Note [Failed in-place ops]), and a released region drops every value at once.
 """
@@ -29,6 +34,10 @@ if TYPE_CHECKING:
 __all__ = ["detached", "hold", "hold_copy", "hold_new_version", "index_storage", "unhold"]
 
 _DK = torch._C.DispatchKey
+_tls_include = torch._C._dispatch_tls_local_include_set
+_tls_exclude = torch._C._dispatch_tls_local_exclude_set
+_ForceKeys = torch._C._ForceDispatchKeyGuard
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def hold(
@@ -43,7 +52,10 @@ def hold(
     if offload and t.device.type != "cpu":
         h.offload_device = t.device
         t = t.to("cpu", non_blocking=True)
-    h.keep(detached(region, t), reason)
+    if reason is graph.INPUT and t.grad_fn is None and type(t) in _PLAIN:
+        h.keep(t, reason)  # See Note [Holding values], rule 4.
+    else:
+        h.keep(detached(region, t), reason)
     if count and h.node_index >= 0 and not h.is_view:
         region.kept_bytes += h.nbytes
     if region._by_storage is not None:
@@ -94,10 +106,13 @@ def detached(region: Region, t: torch.Tensor) -> torch.Tensor:
     counter, so later in-place changes stay visible.
     """
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
-        include = torch._C._dispatch_tls_local_include_set()
-        exclude = torch._C._dispatch_tls_local_exclude_set()
-        exclude = exclude.remove(_DK.ADInplaceOrView).add(_DK.Python).add(_DK.PythonTLSSnapshot)
-        with torch._C._ForceDispatchKeyGuard(include, exclude):
+        include = _tls_include()
+        exclude = _tls_exclude()
+        keys = region._alias_keys  # the same for every op of a region, in practice
+        if keys is None or keys[0] != include or keys[1] != exclude:
+            alias = exclude.remove(_DK.ADInplaceOrView).add(_DK.Python).add(_DK.PythonTLSSnapshot)
+            keys = region._alias_keys = (include, exclude, alias)
+        with _ForceKeys(include, keys[2]):
             return t.detach()
     recording = region._recording
     region._recording = False

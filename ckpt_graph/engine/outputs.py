@@ -143,7 +143,9 @@ def decide(
         ctx._set(node.index, node.op, node.info, out, args, kwargs)
         region._recording = False  # a policy's own tensor ops are not part of the region
         try:
-            decision, node.decided_by = resolve(region._policies, ctx, out, node.op, args, kwargs)
+            decision, node.decided_by = resolve(
+                region._policies, ctx, out, node.op, args, kwargs, region._policy_names
+            )
         finally:
             region._recording = True
             ctx._clear()

@@ -22,7 +22,7 @@ from ckpt_graph.engine import graph
 from ckpt_graph.engine import modules as _modules
 from ckpt_graph.engine.cache_bound import parse_cache_limit
 from ckpt_graph.engine.debug import kept_checksums
-from ckpt_graph.engine.decisions import POLICY_NAMES, PolicyContext, PolicyFn, resolve
+from ckpt_graph.engine.decisions import POLICY_NAMES, PolicyContext, PolicyFn, policy_name, resolve
 from ckpt_graph.engine.decisions import to_decision as _to_decision
 from ckpt_graph.engine.graph import Handle, OpNode, version_of
 from ckpt_graph.engine.holding import detached, hold, unhold
@@ -83,6 +83,9 @@ class Region:
         self.debug = debug
         self.cache_limit = parse_cache_limit(cache_limit)
         self._policies: list[PolicyFn] = []
+        self._policy_names: list[str] = []  # parallel to ``_policies``, for ``decided_by``
+        # dispatch keys seen by ``holding.detached`` and the ones it derives from them
+        self._alias_keys: tuple[Any, Any, Any] | None = None
         self._constant: CheckpointPolicy | None = None
         self._constant_by = ""  # the name that decided ``_constant``
         self._ids: dict[int, Handle] = {}
@@ -254,6 +257,7 @@ class Region:
     # enclosing block are decided as if the failed block had never been entered.
     def _push(self, policy: PolicyFn) -> None:
         self._policies.append(policy)
+        self._policy_names.append(policy_name(policy))
         self._update_constant()
         hook = getattr(policy, "on_region_enter", None)
         if hook is not None:
@@ -261,11 +265,13 @@ class Region:
                 hook(self)
             except BaseException:  # See Note [Failed policy push].
                 self._policies.pop()
+                self._policy_names.pop()
                 self._update_constant()
                 raise
 
     def _pop(self) -> None:
         policy = self._policies.pop()
+        self._policy_names.pop()
         self._update_constant()
         hook = getattr(policy, "on_region_exit", None)
         if hook is not None:
@@ -279,7 +285,7 @@ class Region:
         self._constant_by = ""
         if self._policies and len(consts) == len(self._policies):
             self._constant, self._constant_by = resolve(
-                self._policies, PolicyContext(self), None, None, (), {}
+                self._policies, PolicyContext(self), None, None, (), {}, self._policy_names
             )
 
     @property
