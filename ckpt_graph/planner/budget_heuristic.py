@@ -37,8 +37,7 @@ class Run:
     grown: bool = False
     depth: int = 1
     signature: list[Signature] = field(default_factory=list)
-    costs: dict[int, int] = field(default_factory=dict)
-    moved: dict[int, int] = field(default_factory=dict)  # bytes read + written per op
+    lag: int = 0  # positions before it are filtered by ``budget_sizes.match``
     answers: dict[int, bool] = field(default_factory=dict)
     heuristic: bool = False
     diverged_at: int = -1

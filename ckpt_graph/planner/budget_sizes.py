@@ -70,12 +70,32 @@ from ckpt_graph.planner.step_budget import Plan, Signature, numel
 if TYPE_CHECKING:
     from ckpt_graph.planner.budget_heuristic import Run
 
-__all__ = ["follow", "match", "op_shapes", "scaled", "structure"]
+__all__ = ["catch_up", "follow", "match", "op_shapes", "scaled", "structure"]
 
 
 def match(run: Run, pos: int, sig: Signature, fraction: bool) -> bool | None:
     """The answer of the plan matching the region so far, or ``None`` (the heuristic
-    decides from here). See Note [Plans across sizes]."""
+    decides from here). See Note [Plans across sizes] and rule 4 of Note [Following a plan]."""
+    if run.exact:
+        head = run.exact[0]
+        if pos < len(head.signature) and head.signature[pos] == sig:
+            return pos in head.kept  # the other plans are filtered when needed (catch_up)
+    catch_up(run, pos)
+    _filter(run, pos, sig)
+    run.lag = pos + 1
+    if run.exact:
+        return pos in run.exact[0].kept
+    if not run.plans:
+        return None
+    plan = run.plans[0]
+    if not fraction and run.elements > plan.elements[pos]:
+        run.grown = True  # larger than planned: an int budget needs a new plan
+        return None
+    return pos in plan.kept
+
+
+def _filter(run: Run, pos: int, sig: Signature) -> None:
+    """Keep the plans that match the region at ``pos``; count its output elements."""
     run.elements += numel(sig[1])
     if run.exact:
         run.exact = [p for p in run.exact if pos < len(p.signature) and p.signature[pos] == sig]
@@ -86,15 +106,14 @@ def match(run: Run, pos: int, sig: Signature, fraction: bool) -> bool | None:
         if pos < len(p.signature)
         and (p.signature[pos] == sig or structure(p.signature[pos]) == shape)
     ]
-    if run.exact:
-        return pos in run.exact[0].kept
-    if not run.plans:
-        return None
-    plan = run.plans[0]
-    if not fraction and run.elements > plan.elements[pos]:
-        run.grown = True  # larger than planned: an int budget needs a new plan
-        return None
-    return pos in plan.kept
+
+
+def catch_up(run: Run, end: int) -> None:
+    """Filter the plans for the positions up to ``end`` that ``match`` answered from its
+    first exact plan alone (rule 4 of Note [Following a plan])."""
+    for pos in range(run.lag, min(end, len(run.signature))):
+        _filter(run, pos, run.signature[pos])
+    run.lag = max(run.lag, end)
 
 
 def scaled(plan: Plan, run: Run, fraction: bool) -> PlanReport:

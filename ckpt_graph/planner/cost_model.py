@@ -37,15 +37,22 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
 from ckpt_graph._sizes import parse_size
+from ckpt_graph.engine.decisions import estimate_flops, has_flop_formula
+from ckpt_graph.engine.graph import Handle
 
-__all__ = ["calibrated_flops_per_byte", "op_cost", "parse_budget"]
+if TYPE_CHECKING:
+    from ckpt_graph.engine.graph import OpNode
+    from ckpt_graph.engine.region import Region
+
+__all__ = ["calibrated_flops_per_byte", "op_cost", "parse_budget", "recorded_costs"]
 
 _MIN_BYTES = 1024
 _FORMS = (
@@ -125,6 +132,55 @@ def op_cost(flops: int, nbytes: int, flops_per_byte: float) -> int:
     if flops > 0:
         return flops
     return math.ceil(nbytes * flops_per_byte)
+
+
+def recorded_costs(region: Region, indices: Iterable[int], flops_per_byte: float) -> dict[int, int]:
+    """Recompute cost of the op nodes ``indices`` of ``region``, from what they recorded.
+
+    FLOPs come from the formulas, applied to shape-only (meta) stand-ins of the op's
+    tensors; bytes moved are its tensor arguments' and outputs' bytes. Computed when a plan
+    needs them, not per op in the forward (see Note [Following a plan]).
+    """
+    nodes = region.nodes
+    costs: dict[int, int] = {}
+    with _disable_current_modes():
+        for j in indices:
+            node = nodes[j]
+            flops = _node_flops(node) if has_flop_formula(node.op) else 0
+            moved = 0
+            if flops <= 0:
+                moved = sum(h.nbytes for h in node.outputs if h is not None)
+                moved += sum(_arg_bytes(a) for a in node.args)
+            costs[j] = op_cost(flops, moved, flops_per_byte)
+    return costs
+
+
+def _arg_bytes(a: Any) -> int:
+    if type(a) is Handle:
+        return a.nbytes
+    if type(a) is list or type(a) is tuple:
+        return sum(e.nbytes for e in a if type(e) is Handle)
+    return 0
+
+
+def _meta(a: Any) -> Any:
+    if type(a) is Handle:
+        return torch.empty(a.shape, dtype=a.dtype, device="meta")
+    if type(a) is list or type(a) is tuple:
+        return [_meta(e) for e in a]
+    return a
+
+
+def _node_flops(node: OpNode) -> int:
+    """FLOPs of a recorded op from its formula (0 when it cannot be evaluated)."""
+    try:
+        args = [_meta(a) for a in node.args]
+        kwargs = {k: _meta(v) for k, v in node.kwargs.items()}
+        outs = [_meta(o) for o in node.outputs]
+    except (RuntimeError, TypeError):  # symbolic or unusual sizes: unknown cost
+        return 0
+    out = tuple(outs) if node.out_is_tuple else outs[0]
+    return estimate_flops(node.op, out, args, kwargs)
 
 
 _CLAMP = (0.5, 16.0)

@@ -12,10 +12,10 @@
 #    object (per-layer regions of ``wrap`` or ``integrations.transformers.enable``, several
 #    ``with`` blocks) share it, planned jointly (Note [Step budget across regions]).
 # 2. First step: no plan exists, so the online heuristic decides (rule 5) in each region
-#    (paced against that region's own saved bytes) while the region records the graph, with
-#    each op's FLOPs (``ctx.flops``) and, for ops without a FLOP formula, the bytes it reads
-#    and writes: its recompute cost (Note [Recompute cost model]). At the region's exit its
-#    graph is kept (``_Graph``, no tensors); once the step is over, the solver (Note [Memory
+#    (paced against that region's own saved bytes) while the region records the graph. At
+#    the region's exit its graph is kept (``RegionGraph``, no tensors), with each op's
+#    recompute cost computed from its op node (Note [Recompute cost model], Note [Following
+#    a plan] rule 2); once the step is over, the solver (Note [Memory
 #    budget planning]) plans the kept ops of the step's regions for the next steps, starting
 #    also from the hand plans of Note [Hand seeds].
 # 3. Plans are keyed by the region's *ordinal within a step*: a step starts when a region
@@ -61,6 +61,24 @@
 #    value can make the engine record one (torch's ``make_variable`` dispatches a detach
 #    after a kept factory op returns), which would shift positions
 #    between a step decided by the heuristic and one decided by the plan.
+#
+# Note [Following a plan]
+# A planned step asks the policy about every op, so following a plan must cost little per
+# op (it was the largest part of a planned step's forward on small models):
+# 1. Per op the policy records the op's signature (name and output shapes), its position
+#    and its answer; nothing else while a plan matches.
+# 2. Recompute costs are not measured in the forward. When a block's graph is planned, they
+#    are computed from its recorded op nodes (``cost_model.recorded_costs``: the FLOP
+#    formulas applied to shape-only stand-ins of the op's tensors, bytes from the handles)
+#    for the ops the policy answered. Only the heuristic reads ``ctx.flops``, for the op it
+#    decides.
+# 3. Nothing of the forward's tensors is read for it: the same costs come out whether the
+#    graph is planned at the block's exit or later.
+# 4. While the first exact plan matches op by op, ``match`` answers from it alone. The other
+#    plans (exact, or of the same structure) and the element count of rule 3 of Note [Plans
+#    across sizes] are brought up to date (``catch_up``) only when that plan stops
+#    matching, or the block exits before its end: the same lists as filtering op by op,
+#    computed once. A block that matched it to the end uses it, as filtering would.
 """
 
 from __future__ import annotations
@@ -73,9 +91,9 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphValueError
-from ckpt_graph.planner.budget_heuristic import Run, count_saved, heuristic, tensors
-from ckpt_graph.planner.budget_sizes import follow, match, op_shapes, scaled
-from ckpt_graph.planner.cost_model import calibrated_flops_per_byte, op_cost, parse_budget
+from ckpt_graph.planner.budget_heuristic import Run, count_saved, heuristic
+from ckpt_graph.planner.budget_sizes import catch_up, follow, match, op_shapes, scaled
+from ckpt_graph.planner.cost_model import calibrated_flops_per_byte, parse_budget, recorded_costs
 from ckpt_graph.planner.local_search import Refinement
 from ckpt_graph.planner.solve import KeptTensor, PlanReport, solve, solve_from
 from ckpt_graph.planner.step_budget import (
@@ -98,6 +116,8 @@ if TYPE_CHECKING:
 __all__ = ["KeptTensor", "MemoryBudget", "PlanReport", "StepPlan", "memory_budget"]
 
 _DETACH = "aten.detach.default"
+_SAVE = CheckpointPolicy.MUST_SAVE
+_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 _WARM = "warm start"
 # local search of a warm start, then per later step (Note [Warm start at a new size])
 _WARM_EVALS = 40
@@ -176,11 +196,15 @@ class MemoryBudget:
         if run.depth > 0:
             return
         del self._runs[id(region)]
-        inputs = input_bytes(region, run.inputs_at_enter, self._storages)
         n = len(run.signature)
-        matched = [p for p in run.plans if len(p.signature) == n]
-        if matched and not run.heuristic and matched[0].graph is not None:
+        inputs = input_bytes(region, run.inputs_at_enter, self._storages)
+        if run.lag == 0 and run.exact and len(run.exact[0].signature) == n:
+            matched = exact = run.exact[:1]  # it matched to the end (Note [Following a plan])
+        else:
+            catch_up(run, n)
+            matched = [p for p in run.plans if len(p.signature) == n]
             exact = [p for p in run.exact if len(p.signature) == n]
+        if matched and not run.heuristic and matched[0].graph is not None:
             if not exact:
                 count_saved(region, run)
             plan = exact[0] if exact else matched[0]
@@ -219,19 +243,15 @@ class MemoryBudget:
             self.on_region_enter(region)
             run = self._runs[id(region)]
             run.start = ctx.op_index
-        flops = ctx.flops
-        run.costs[ctx.op_index] = flops  # see Note [Recompute cost model]
-        if flops <= 0:
-            run.moved[ctx.op_index] = ctx.out_bytes + sum(
-                t.numel() * t.element_size() for t in tensors(args)
-            )
-        if ctx.op_name == _DETACH:  # see rule 6 of Note [Memory budget policy]
-            run.answers[ctx.op_index] = False
-            return CheckpointPolicy.PREFER_RECOMPUTE
+        index = ctx.op_index
+        name = ctx.op_name
+        if name == _DETACH:  # see rule 6 of Note [Memory budget policy]
+            run.answers[index] = False
+            return _RECOMPUTE
         pos = len(run.signature)
-        sig = (ctx.op_name, op_shapes(out))
+        sig = (name, op_shapes(out))
         run.signature.append(sig)
-        run.positions[ctx.op_index] = pos
+        run.positions[index] = pos
         keep: bool | None = None
         if run.grown:
             follow(run, pos, sig)
@@ -239,24 +259,24 @@ class MemoryBudget:
             keep = match(run, pos, sig, isinstance(self.budget, float))
             if keep is None:
                 run.heuristic = True
-                run.diverged_at = ctx.op_index
+                run.diverged_at = index
         elif not run.plans:
             run.heuristic = True
         if keep is None:
-            keep = heuristic(self.budget, ctx, run, flops, out, args)
-        run.answers[ctx.op_index] = keep
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+            keep = heuristic(self.budget, ctx, run, ctx.flops, out, args)
+        run.answers[index] = keep
+        return _SAVE if keep else _RECOMPUTE
 
     def _graph(self, region: Region, run: Run) -> RegionGraph:
         """The block's graph as the planner sees it, with the ops the plan may decide."""
-        return region_graph(region, run, self._op_costs(run))
+        return region_graph(region, run, self._op_costs(region, run))
 
-    def _op_costs(self, run: Run) -> dict[int, int]:
+    def _op_costs(self, region: Region, run: Run) -> dict[int, int]:
         """Recompute cost per op index of the block. See Note [Recompute cost model]."""
         fpb = self.flops_per_byte
         if fpb is None:
             fpb = calibrated_flops_per_byte()
-        return {j: op_cost(f, run.moved.get(j, 0), fpb) for j, f in run.costs.items()}
+        return recorded_costs(region, run.answers, fpb)
 
     def _plan_step(self) -> bool:
         """Plan the regions of the current step for the next ones, unless already planned.
