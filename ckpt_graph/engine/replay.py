@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._ops import OpOverload
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
@@ -168,16 +169,22 @@ _GRAD_MODE_OPS = frozenset(
 )
 
 
+_GRAD_MODE_IDS = frozenset(id(op) for op in _GRAD_MODE_OPS)  # OpOverload.__hash__ is Python
+
+
 def _call(node: OpNode, args: list[Any], kwargs: dict[str, Any]) -> Any:
-    if node.op in _GRAD_MODE_OPS:
+    op: Any = node.op
+    if id(op) in _GRAD_MODE_IDS:
         with torch._C._AutoDispatchBelowAutograd(), torch.enable_grad():
-            return node.op(*args, **kwargs)
+            return op(*args, **kwargs)
+    if type(op) is OpOverload:
+        op = op._op  # the C++ op: ``OpOverload.__call__`` only forwards to it
     if node.rng is None:
-        return node.op(*args, **kwargs)
+        return op(*args, **kwargs)
     gen, state = node.rng
     before = gen.get_state()
     gen.set_state(state)
     try:
-        return node.op(*args, **kwargs)
+        return op(*args, **kwargs)
     finally:
         gen.set_state(before)
