@@ -1,4 +1,4 @@
-"""Mutation bookkeeping of the recorder: in-place ops, views, kept values, generator states.
+"""Mutation bookkeeping of the recorder: in-place ops, views, kept values.
 
 # Note [Mutation and views]
 # Every tensor the region sees maps to the handle of the value it holds *now*
@@ -66,7 +66,6 @@
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -92,7 +91,6 @@ if TYPE_CHECKING:
 __all__ = [
     "StorageHistory",
     "before_write",
-    "capture_rng",
     "mark_written",
     "rebase",
     "supersede_view_bases",
@@ -336,43 +334,3 @@ def mark_written(
             t = arg_at(args, kwargs, w)
             region._ids.pop(id(t), None)
     return first
-
-
-def capture_rng(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[torch.Generator, torch.Tensor] | None:
-    """Generator state just before a random op runs. See Note [RNG replay]."""
-    gen = kwargs.get("generator")
-    if gen is None:
-        device = kwargs.get("device")
-        if device is None:
-            device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        device = torch.device(device) if device is not None else torch.get_default_device()
-        if device.type == "cpu":
-            gen = torch.default_generator
-        elif device.type == "cuda":
-            idx = device.index if device.index is not None else torch.cuda.current_device()
-            gen = torch.cuda.default_generators[idx]
-        else:
-            return None  # no replay known for this device: outputs are kept
-    state = gen.get_state()
-    # See Note [RNG replay]: consecutive random ops that left the generator as it was (SDPA
-    # without dropout, dropout(p=0)) share one state tensor instead of holding a copy each.
-    last_gen, last_state = _LAST_RNG
-    if last_gen is not None and last_gen() is gen:
-        last = last_state()
-        if last is not None and _same(last, state):
-            return gen, last
-    _LAST_RNG[:] = [weakref.ref(gen), weakref.ref(state)]
-    return gen, state
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # Below every dispatch mode: the caller's own modes (an op counter, a profiler) must not
-    # see the engine's bookkeeping as ops of the program.
-    with torch._C._DisableTorchDispatch():
-        return torch.equal(a, b)
-
-
-# The generator and the state tensor of the last capture, weakly held (a region owns them).
-_LAST_RNG: list[Any] = [None, None]
