@@ -105,6 +105,7 @@ from collections.abc import Iterable
 
 from ckpt_graph.planner.costs import from_region, kept_ops_of
 from ckpt_graph.planner.liveness_bound import Bound
+from ckpt_graph.planner.liveness_transient import mark_transient
 from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimResult, SimValue
 from ckpt_graph.planner.workspaces import Workspace, measure_workspaces
 
@@ -166,7 +167,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
     bound = Bound(g, kept, pending, last) if g.cache_limit != "unbounded" else None
     if bound is not None and bound.limit == 0:
         bound = None
-    transient = _mark_transient(g, kept, pending) if bound is None else [False] * nv
+    transient = mark_transient(g, kept, pending) if bound is None else [False] * nv
     rng_refs = [0] * len(g.rng_bytes)  # rule 9: ops holding each generator state
     holds = [False] * n
     for j in range(n):
@@ -448,48 +449,3 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
     if not g.saved:
         peak, peak_total = kept_bytes, kept_bytes + rng_level
     return SimResult(peak, peak_total, kept_bytes, cost, count, peak_step, tuple(runs))
-
-
-def _mark_transient(g: SimGraph, kept: list[bool], pending: list[int]) -> list[bool]:
-    """Recomputed values run again at each use instead of cached (rule 7).
-
-    Mirrors ``passes._mark_transient`` (Note [Transient values]); adds the extra uses of
-    the producers' inputs to ``pending``.
-    """
-    values, ops, least = g.values, g.ops, g.transient_min_bytes
-    transient = [False] * len(values)
-    if not any(op.pointwise for op in ops):
-        return transient
-    view = [v.storage != k if v.is_view is None else v.is_view for k, v in enumerate(values)]
-    aliased = [False] * len(values)
-    for k, val in enumerate(values):
-        if view[k]:
-            aliased[val.storage] = True
-
-    def aliases_kept(v: int) -> bool:  # a view of a kept value, through views only
-        while view[v] and not kept[v]:
-            p = values[v].producer
-            if p < 0 or not ops[p].inputs:
-                return False
-            v = ops[p].inputs[0]
-        return kept[v]
-
-    for op in ops:
-        if not op.pointwise or len(op.outputs) != 1:
-            continue
-        h = op.outputs[0]
-        if kept[h] or pending[h] < 2 or view[h] or aliased[h] or values[h].nbytes < least:
-            continue
-        nbytes = 0
-        for i in op.inputs:
-            if not kept[i] and not aliases_kept(i):
-                if transient[i] or view[i] or pending[i] < 2:
-                    break
-                nbytes += values[i].nbytes
-        else:
-            if nbytes <= values[h].nbytes:
-                transient[h] = True
-                for i in op.inputs:
-                    if not kept[i]:
-                        pending[i] += pending[h] - 1
-    return transient
