@@ -144,6 +144,28 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             kept[v] = True
     storage = [v.storage for v in values]
     size = [values[s].nbytes if values[s].producer >= 0 else 0 for s in storage]
+    refs: dict[int, int] = {}  # per storage, the values holding it (rule 3)
+    cached = [False] * nv
+    level = 0
+
+    def acquire(v: int) -> None:
+        nonlocal level
+        if size[v]:
+            s = storage[v]
+            k = refs.get(s, 0)
+            refs[s] = k + 1
+            if k == 0:
+                level += size[v]
+
+    def release(v: int) -> None:
+        nonlocal level
+        if size[v]:
+            s = storage[v]
+            k = refs[s] - 1
+            refs[s] = k
+            if k == 0:
+                level -= size[v]
+
     pending = [0] * nv  # use counts of recomputed values (rule 2)
     live = [0] * nv  # live uses of every value (rule 5)
     by_step: dict[int, list[int]] = {}
@@ -164,7 +186,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
                     pending[i] += 1
                     if last[i] < 0:
                         last[i] = j
-    bound = Bound(g, kept, pending, last) if g.cache_limit != "unbounded" else None
+    bound = Bound(g, kept, pending, last, cached, release) if g.cache_limit != "unbounded" else None
     if bound is not None and bound.limit == 0:
         bound = None
     transient = mark_transient(g, kept, pending) if bound is None else [False] * nv
@@ -175,32 +197,12 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             holds[j] = True
             rng_refs[ops[j].rng] += 1
     rng_level = sum(b for b, k in zip(g.rng_bytes, rng_refs, strict=True) if k)
-    refs: dict[int, int] = {}
-    cached = [False] * nv
     pins = [0] * nv
     ran = [False] * n
     runs = [0] * n
-    level = peak = peak_total = cost = count = 0
+    peak = peak_total = cost = count = 0
     peak_step = step = -1
     grads, grads_in = g.step_grad_bytes, g.step_grad_in_bytes
-
-    def acquire(v: int) -> None:
-        nonlocal level
-        if size[v]:
-            s = storage[v]
-            k = refs.get(s, 0)
-            refs[s] = k + 1
-            if k == 0:
-                level += size[v]
-
-    def release(v: int) -> None:
-        nonlocal level
-        if size[v]:
-            s = storage[v]
-            k = refs[s] - 1
-            refs[s] = k
-            if k == 0:
-                level -= size[v]
 
     for v in range(nv):
         if kept[v] and live[v] > 0:
@@ -261,8 +263,6 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
                 if pins[i] == 0 and cached[i]:
                     drop(i)
 
-    owed = [False] * n
-
     def run_bounded(j: int) -> None:  # rule 8, as realize.run_node in a bounded pass
         nonlocal cost, count
         assert bound is not None
@@ -270,7 +270,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
         cost += op.cost
         count += 1
         runs[j] += 1
-        owed[j] = False
+        bound.owed[j] = False
         for o in op.outputs:
             acquire(o)
         check(op.run_workspace)
@@ -285,7 +285,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             if o in bound.need:
                 bound.active[o] = None
             else:
-                join(o)
+                bound.join(o)
         for i in op.inputs:
             if kept[i]:
                 continue
@@ -298,75 +298,17 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             if i in bound.active:
                 del bound.active[i]
                 if cached[i] and i not in bound.checkpoints:
-                    join(i)
+                    bound.join(i)
         if (
             bound.closing
             and 2 * bound.segment_bytes >= bound.limit
             and bound.frontier() <= bound.frontier_bytes
         ):
-            close()
-
-    def join(v: int) -> None:
-        assert bound is not None
-        nbytes = values[v].nbytes
-        if bound.view[v]:
-            r = bound.root[v]
-            if kept[r] or values[r].producer < 0 or cached[r] or r in bound.segment_roots:
-                nbytes = 0
-            else:
-                bound.segment_roots.add(r)
-        if bound.closing and bound.segment and bound.segment_bytes + nbytes > bound.limit:
-            close()
-        bound.segment.append(v)
-        bound.segment_bytes += nbytes
-
-    def close() -> None:
-        assert bound is not None
-        bound.checkpoints.update(bound.active)
-        for d in bound.segment:
-            if cached[d]:
-                drop(d)
-                owe(values[d].producer)
-        bound.segment, bound.segment_bytes, bound.segment_roots = [], 0, set()
-
-    def owe(j: int) -> None:
-        stack = [j]
-        while stack:
-            j = stack.pop()
-            if owed[j]:
-                continue
-            owed[j] = True
-            for i in ops[j].inputs:
-                if not kept[i]:
-                    pending[i] += 1
-                    if not cached[i]:
-                        stack.append(values[i].producer)
+            bound.close()
 
     def realize_bounded(v: int) -> None:
         assert bound is not None
-        need = bound.need = {v: 1}
-        todo: set[int] = set()
-        stack = [values[v].producer]
-        while stack:
-            j = stack.pop()
-            if j in todo:
-                continue
-            todo.add(j)
-            for i in ops[j].inputs:
-                if not kept[i]:
-                    need[i] = need.get(i, 0) + 1
-                    if not cached[i]:
-                        stack.append(values[i].producer)
-        order = sorted(todo)
-        held = {
-            storage[o]
-            for j in order
-            for o in ops[j].outputs
-            if not kept[o] and pending[o] > need.get(o, 0)
-        }
-        held_bytes = sum(bound.nbytes(r) for r in held)
-        bound.segment, bound.segment_bytes, bound.segment_roots = [], 0, set()
-        bound.closing = held_bytes > bound.limit
+        order = bound.plan_realize(v)
         for j in order:
             if j == order[-1]:
                 bound.closing = False  # the last segment stays cached

@@ -1,13 +1,16 @@
-"""The liveness simulator's state of a bounded pass (Note [Backward liveness model] rule 8).
+"""The liveness simulator's bounded pass (Note [Backward liveness model] rule 8).
 
-Mirrors ``passes.PassState`` and ``cache_bound.segment_limit`` (Note [Bounded recompute
-cache]): the segment size computed from the same use counts, the realize's reads, the open
-segment and the checkpoints. ``simulate`` drives it.
+Mirrors ``passes.PassState`` and ``cache_bound`` (Note [Bounded recompute cache]): the
+segment size computed from the same use counts, the realize's reads, the open segment, the
+checkpoints, and the segment operations (join, close, owe, plan a realize). ``simulate``
+drives it: it runs the planned ops and asks for these operations, as ``realize.run_node``
+does in a bounded pass.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -19,14 +22,29 @@ __all__ = ["Bound"]
 class Bound:
     """The state of a bounded pass (rule 8), mirroring ``passes.PassState``.
 
+    ``pending`` and ``cached`` are the simulator's own lists, shared: the segment operations
+    update them as ``cache_bound`` updates handles, and ``release`` gives a dropped value's
+    storage back.
+
     Attributes:
         limit: bytes per segment (``cache_bound.segment_limit``), 0 when the pass is not bounded.
         frontier_bytes: mean frontier of the pass.
+        owed: per op, an output was dropped while pending: the op runs again.
     """
 
-    def __init__(self, g: SimGraph, kept: list[bool], pending: list[int], last: list[int]) -> None:
+    def __init__(
+        self,
+        g: SimGraph,
+        kept: list[bool],
+        pending: list[int],
+        last: list[int],
+        cached: list[bool],
+        release: Callable[[int], None],
+    ) -> None:
         values, ops = g.values, g.ops
         self.g, self.kept = g, kept
+        self.pending, self.cached, self.release = pending, cached, release
+        self.owed = [False] * len(ops)
         self.view = [
             v.storage != k if v.is_view is None else v.is_view for k, v in enumerate(values)
         ]
@@ -103,3 +121,77 @@ class Bound:
                     seen.add(values[i].producer)
                     stack.append(values[i].producer)
         return sum(self.nbytes(r) for r in roots)
+
+    def join(self, v: int) -> None:
+        """``v`` is cached for later users only: add it to the open segment
+        (``cache_bound.join_segment``)."""
+        values, kept, cached = self.g.values, self.kept, self.cached
+        nbytes = values[v].nbytes
+        if self.view[v]:
+            r = self.root[v]
+            if kept[r] or values[r].producer < 0 or cached[r] or r in self.segment_roots:
+                nbytes = 0
+            else:
+                self.segment_roots.add(r)
+        if self.closing and self.segment and self.segment_bytes + nbytes > self.limit:
+            self.close()
+        self.segment.append(v)
+        self.segment_bytes += nbytes
+
+    def close(self) -> None:
+        """Keep the frontier cached as checkpoints, drop the open segment's values
+        (``cache_bound.close_segment``)."""
+        values, cached = self.g.values, self.cached
+        self.checkpoints.update(self.active)
+        for d in self.segment:
+            if cached[d]:
+                cached[d] = False
+                self.release(d)
+                self.owe(values[d].producer)
+        self.segment, self.segment_bytes, self.segment_roots = [], 0, set()
+
+    def owe(self, j: int) -> None:
+        """A cached output of op ``j`` was dropped: ``j`` runs again (``cache_bound.owe``)."""
+        values, ops, kept = self.g.values, self.g.ops, self.kept
+        owed, pending, cached = self.owed, self.pending, self.cached
+        stack = [j]
+        while stack:
+            j = stack.pop()
+            if owed[j]:
+                continue
+            owed[j] = True
+            for i in ops[j].inputs:
+                if not kept[i]:
+                    pending[i] += 1
+                    if not cached[i]:
+                        stack.append(values[i].producer)
+
+    def plan_realize(self, v: int) -> list[int]:
+        """The ops a realize of ``v`` runs, in forward order; sets up ``need``, the open
+        segment and whether it may close (``cache_bound.plan_realize``)."""
+        values, ops, kept = self.g.values, self.g.ops, self.kept
+        pending, cached = self.pending, self.cached
+        need = self.need = {v: 1}
+        todo: set[int] = set()
+        stack = [values[v].producer]
+        while stack:
+            j = stack.pop()
+            if j in todo:
+                continue
+            todo.add(j)
+            for i in ops[j].inputs:
+                if not kept[i]:
+                    need[i] = need.get(i, 0) + 1
+                    if not cached[i]:
+                        stack.append(values[i].producer)
+        order = sorted(todo)
+        held = {
+            values[o].storage
+            for j in order
+            for o in ops[j].outputs
+            if not kept[o] and pending[o] > need.get(o, 0)
+        }
+        held_bytes = sum(self.nbytes(r) for r in held)
+        self.segment, self.segment_bytes, self.segment_roots = [], 0, set()
+        self.closing = held_bytes > self.limit
+        return order
