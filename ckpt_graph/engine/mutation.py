@@ -132,10 +132,10 @@ def before_write(
             if k is not written and not info.silent_writes:
                 k.superseded = True  # its bytes change (see rule 3 for other counters)
                 k.writes += 1
-            if k is written and k.uses == 0 and info.returns_written:
+            if k is written and k.forward_uses == 0 and info.returns_written:
                 overwritten = k  # rule 4: its new version keeps the tensor
                 continue
-            if k.uses == 0 and (k is not written or info.returns_written):
+            if k.forward_uses == 0 and (k is not written or info.returns_written):
                 continue  # nobody needs the old value (this op does if it has other outputs)
             copy = exact_copy(k.value)
             if k.version >= 0:  # the copy carries the version the value had

@@ -60,7 +60,7 @@ def record_node(
     if rng is not None:
         node.rng = rng
     for h in inputs:
-        h.uses += 1
+        h.forward_uses += 1
     previous: Handle | None = None
     if info.writes:
         previous = mark_written(region, info, h_args, h_kwargs, args, kwargs)

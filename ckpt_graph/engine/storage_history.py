@@ -129,7 +129,7 @@ def rebase(region: Region, t: torch.Tensor, old: Handle) -> Handle | None:
     index = len(region.nodes)
     args = (head, list(t.size()), list(t.stride()), int(t.storage_offset()))
     node = OpNode(index, _AS_STRIDED, op_info(_AS_STRIDED), args, {}, (head,))
-    head.uses += 1
+    head.forward_uses += 1
     head.has_views = True
     h = Handle(t, index, 0)
     h.is_view = True  # its bytes belong to the last write's value; its own base

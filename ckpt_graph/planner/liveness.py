@@ -74,9 +74,9 @@ builds one from a recorded region.
 #    two or more pending uses, not a view and without views, whose producer's recomputed
 #    inputs are views of kept values or else not transient, not views, with a use besides
 #    the producer and no more bytes in total than the value. Each such input gets the
-#    value's pending uses minus one more uses; the value is dropped as soon as no op
-#    waiting in the current realize needs it (pins), and runs again at its next use; each
-#    use of it releases a use of each input.
+#    value's pending uses minus one more uses; the value is dropped as soon as no op waiting
+#    in the current realize needs it (``waiting_readers``), and runs again at its next use;
+#    each use of it releases a use of each input.
 # 8. Bounded cache, as ``realize`` bounds it (Note [Bounded recompute cache]): with
 #    ``SimGraph.cache_limit`` not ``"unbounded"``, the segment size is computed from the
 #    same use counts (``cache_bound.segment_limit``); a bounded pass marks no transient values,
@@ -166,38 +166,40 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             if k == 0:
                 level -= size[v]
 
-    pending = [0] * nv  # use counts of recomputed values (rule 2)
-    live = [0] * nv  # live uses of every value (rule 5)
+    pass_uses = [0] * nv  # use counts of recomputed values (rule 2): Handle.pass_uses
+    live_uses = [0] * nv  # live uses of every value (rule 5): Handle.live_uses
     by_step: dict[int, list[int]] = {}
     for j, v in g.saved:
         by_step.setdefault(j, []).append(v)
-        live[v] += 1
+        live_uses[v] += 1
         if not kept[v]:
-            pending[v] += 1
-    needed = [False] * n
+            pass_uses[v] += 1
+    may_run = [False] * n  # ops that run in the pass (rule 2), then alive (rule 5)
     last = [-1] * nv  # last op that will run and reads the value (rule 8)
     for j in range(n - 1, -1, -1):
         op = ops[j]
-        if any(not kept[o] and pending[o] > 0 for o in op.outputs):
-            needed[j] = True
+        if any(not kept[o] and pass_uses[o] > 0 for o in op.outputs):
+            may_run[j] = True
             for i in op.inputs:
-                live[i] += 1
+                live_uses[i] += 1
                 if not kept[i]:
-                    pending[i] += 1
+                    pass_uses[i] += 1
                     if last[i] < 0:
                         last[i] = j
-    bound = Bound(g, kept, pending, last, cached, release) if g.cache_limit != "unbounded" else None
+    bound = (
+        Bound(g, kept, pass_uses, last, cached, release) if g.cache_limit != "unbounded" else None
+    )
     if bound is not None and bound.limit == 0:
         bound = None
-    transient = mark_transient(g, kept, pending) if bound is None else [False] * nv
+    transient = mark_transient(g, kept, pass_uses) if bound is None else [False] * nv
     rng_refs = [0] * len(g.rng_bytes)  # rule 9: ops holding each generator state
     holds = [False] * n
     for j in range(n):
-        if ops[j].rng >= 0 and (needed[j] or any(live[o] > 0 for o in ops[j].outputs)):
+        if ops[j].rng >= 0 and (may_run[j] or any(live_uses[o] > 0 for o in ops[j].outputs)):
             holds[j] = True
             rng_refs[ops[j].rng] += 1
     rng_level = sum(b for b, k in zip(g.rng_bytes, rng_refs, strict=True) if k)
-    pins = [0] * nv
+    waiting_readers = [0] * nv  # rule 7: Handle.waiting_readers
     ran = [False] * n
     runs = [0] * n
     peak = peak_total = cost = count = 0
@@ -205,7 +207,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
     grads, grads_in = g.step_grad_bytes, g.step_grad_in_bytes
 
     for v in range(nv):
-        if kept[v] and live[v] > 0:
+        if kept[v] and live_uses[v] > 0:
             acquire(v)
     kept_bytes = level
 
@@ -214,14 +216,14 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
         release(v)
 
     def use(v: int) -> None:
-        pending[v] -= 1
+        pass_uses[v] -= 1
         if transient[v]:  # rule 7: a use of a transient value is a use of its inputs
             for i in ops[values[v].producer].inputs:
                 if not kept[i]:
                     use(i)
-            if pins[v] > 0 and pending[v] > 0:
+            if waiting_readers[v] > 0 and pass_uses[v] > 0:
                 return
-        elif pending[v] > 0:
+        elif pass_uses[v] > 0:
             return
         if cached[v]:
             drop(v)
@@ -246,7 +248,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             acquire(o)
         check(op.run_workspace)
         for o in op.outputs:
-            if not kept[o] and pending[o] > 0:
+            if not kept[o] and pass_uses[o] > 0:
                 cached[o] = True
             else:
                 release(o)
@@ -259,8 +261,8 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
     def unpin(j: int) -> None:
         for i in ops[j].inputs:
             if transient[i]:
-                pins[i] -= 1
-                if pins[i] == 0 and cached[i]:
+                waiting_readers[i] -= 1
+                if waiting_readers[i] == 0 and cached[i]:
                     drop(i)
 
     def run_bounded(j: int) -> None:  # rule 8, as realize.run_node in a bounded pass
@@ -276,7 +278,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
         check(op.run_workspace)
         fresh = []
         for o in op.outputs:
-            if not kept[o] and pending[o] > 0 and not cached[o]:
+            if not kept[o] and pass_uses[o] > 0 and not cached[o]:
                 cached[o] = True
                 fresh.append(o)
             else:
@@ -338,13 +340,13 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             for i in ops[j].inputs:
                 if not kept[i]:
                     if transient[i]:
-                        pins[i] += 1
+                        waiting_readers[i] += 1
                     if not cached[i]:
                         stack.append((values[i].producer, False))
 
     def drop_rng(j: int) -> None:  # rule 9, as release._drop_rng_if_dead
         nonlocal rng_level
-        if holds[j] and not needed[j] and not any(live[o] > 0 for o in ops[j].outputs):
+        if holds[j] and not may_run[j] and not any(live_uses[o] > 0 for o in ops[j].outputs):
             holds[j] = False
             r = ops[j].rng
             rng_refs[r] -= 1
@@ -355,8 +357,8 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
         stack = [v]
         while stack:
             v = stack.pop()
-            live[v] -= 1
-            if live[v] != 0:
+            live_uses[v] -= 1
+            if live_uses[v] != 0:
                 continue
             p = values[v].producer
             if kept[v]:
@@ -364,11 +366,11 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
                 if p >= 0:
                     drop_rng(p)
                 continue
-            if p < 0 or not needed[p]:
+            if p < 0 or not may_run[p]:
                 continue
-            if any(not kept[o] and live[o] > 0 for o in ops[p].outputs):
+            if any(not kept[o] and live_uses[o] > 0 for o in ops[p].outputs):
                 continue
-            needed[p] = False
+            may_run[p] = False
             drop_rng(p)
             stack.extend(ops[p].inputs)
 

@@ -22,28 +22,28 @@ __all__ = ["Bound"]
 class Bound:
     """The state of a bounded pass (rule 8), mirroring ``passes.PassState``.
 
-    ``pending`` and ``cached`` are the simulator's own lists, shared: the segment operations
+    ``pass_uses`` and ``cached`` are the simulator's own lists, shared: the segment operations
     update them as ``cache_bound`` updates handles, and ``release`` gives a dropped value's
     storage back.
 
     Attributes:
         limit: bytes per segment (``cache_bound.segment_limit``), 0 when the pass is not bounded.
         frontier_bytes: mean frontier of the pass.
-        owed: per op, an output was dropped while pending: the op runs again.
+        owed: per op, an output was dropped while it had uses left: the op runs again.
     """
 
     def __init__(
         self,
         g: SimGraph,
         kept: list[bool],
-        pending: list[int],
+        pass_uses: list[int],
         last: list[int],
         cached: list[bool],
         release: Callable[[int], None],
     ) -> None:
         values, ops = g.values, g.ops
         self.g, self.kept = g, kept
-        self.pending, self.cached, self.release = pending, cached, release
+        self.pass_uses, self.cached, self.release = pass_uses, cached, release
         self.owed = [False] * len(ops)
         self.view = [
             v.storage != k if v.is_view is None else v.is_view for k, v in enumerate(values)
@@ -61,19 +61,19 @@ class Bound:
                     break
                 r = ops[p].inputs[0]
             self.root[v] = r
-        packs = [0] * len(values)
+        saved_refs = [0] * len(values)
         for _, v in g.saved:
-            packs[v] += 1
+            saved_refs[v] += 1
         end: dict[int, int] = {}
         saved: set[int] = set()
         for v, val in enumerate(values):
-            if val.producer < 0 or kept[v] or pending[v] <= 0:
+            if val.producer < 0 or kept[v] or pass_uses[v] <= 0:
                 continue
             r = self.root[v]
             if kept[r] or values[r].producer < 0:
                 continue
             end[r] = max(end.get(r, 0), last[v] if last[v] >= 0 else val.producer)
-            if packs[v]:
+            if saved_refs[v]:
                 saved.add(r)
         total = sum(values[r].nbytes for r in saved)
         spans = sum(values[r].nbytes * (e - values[r].producer) for r, e in end.items())
@@ -81,7 +81,7 @@ class Bound:
         k = math.isqrt(total * self.frontier_bytes)
         limit = g.cache_limit
         if limit is None:
-            first = self._first_realize_bytes(packs)
+            first = self._first_realize_bytes(saved_refs)
             self.limit = k if k > 0 and first >= 4 * k else 0
         else:
             assert isinstance(limit, int)
@@ -103,7 +103,7 @@ class Bound:
         """Bytes of the storages the running realize's values still to be read hold."""
         return sum(self.nbytes(r) for r in {self.root[a] for a in self.active})
 
-    def _first_realize_bytes(self, packs: list[int]) -> int:
+    def _first_realize_bytes(self, saved_refs: list[int]) -> int:
         values, ops, kept = self.g.values, self.g.ops, self.kept
         target = next((v for _, v in reversed(self.g.saved) if not kept[v]), -1)
         if target < 0 or values[target].producer < 0:
@@ -114,7 +114,7 @@ class Bound:
         while stack:
             op = ops[stack.pop()]
             for o in op.outputs:
-                if not kept[o] and packs[o]:
+                if not kept[o] and saved_refs[o]:
                     roots.add(self.root[o])
             for i in op.inputs:
                 if not kept[i] and values[i].producer not in seen:
@@ -153,7 +153,7 @@ class Bound:
     def owe(self, j: int) -> None:
         """A cached output of op ``j`` was dropped: ``j`` runs again (``cache_bound.owe``)."""
         values, ops, kept = self.g.values, self.g.ops, self.kept
-        owed, pending, cached = self.owed, self.pending, self.cached
+        owed, pass_uses, cached = self.owed, self.pass_uses, self.cached
         stack = [j]
         while stack:
             j = stack.pop()
@@ -162,7 +162,7 @@ class Bound:
             owed[j] = True
             for i in ops[j].inputs:
                 if not kept[i]:
-                    pending[i] += 1
+                    pass_uses[i] += 1
                     if not cached[i]:
                         stack.append(values[i].producer)
 
@@ -170,7 +170,7 @@ class Bound:
         """The ops a realize of ``v`` runs, in forward order; sets up ``need``, the open
         segment and whether it may close (``cache_bound.plan_realize``)."""
         values, ops, kept = self.g.values, self.g.ops, self.kept
-        pending, cached = self.pending, self.cached
+        pass_uses, cached = self.pass_uses, self.cached
         need = self.need = {v: 1}
         todo: set[int] = set()
         stack = [values[v].producer]
@@ -189,7 +189,7 @@ class Bound:
             values[o].storage
             for j in order
             for o in ops[j].outputs
-            if not kept[o] and pending[o] > need.get(o, 0)
+            if not kept[o] and pass_uses[o] > need.get(o, 0)
         }
         held_bytes = sum(self.nbytes(r) for r in held)
         self.segment, self.segment_bytes, self.segment_roots = [], 0, set()

@@ -15,11 +15,11 @@ if TYPE_CHECKING:
 __all__ = ["mark_transient"]
 
 
-def mark_transient(g: SimGraph, kept: list[bool], pending: list[int]) -> list[bool]:
+def mark_transient(g: SimGraph, kept: list[bool], pass_uses: list[int]) -> list[bool]:
     """Recomputed values run again at each use instead of cached (rule 7).
 
     Mirrors ``passes._mark_transient`` (Note [Transient values]); adds the extra uses of
-    the producers' inputs to ``pending``.
+    the producers' inputs to ``pass_uses``.
     """
     values, ops, least = g.values, g.ops, g.transient_min_bytes
     transient = [False] * len(values)
@@ -43,12 +43,12 @@ def mark_transient(g: SimGraph, kept: list[bool], pending: list[int]) -> list[bo
         if not op.pointwise or len(op.outputs) != 1:
             continue
         h = op.outputs[0]
-        if kept[h] or pending[h] < 2 or view[h] or aliased[h] or values[h].nbytes < least:
+        if kept[h] or pass_uses[h] < 2 or view[h] or aliased[h] or values[h].nbytes < least:
             continue
         nbytes = 0
         for i in op.inputs:
             if not kept[i] and not aliases_kept(i):
-                if transient[i] or view[i] or pending[i] < 2:
+                if transient[i] or view[i] or pass_uses[i] < 2:
                     break
                 nbytes += values[i].nbytes
         else:
@@ -56,5 +56,5 @@ def mark_transient(g: SimGraph, kept: list[bool], pending: list[int]) -> list[bo
                 transient[h] = True
                 for i in op.inputs:
                     if not kept[i]:
-                        pending[i] += pending[h] - 1
+                        pass_uses[i] += pass_uses[h] - 1
     return transient

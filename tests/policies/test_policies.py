@@ -850,7 +850,7 @@ def _graph_facts(region: Any) -> list[tuple[Any, ...]]:
         outs = tuple(
             None
             if h is None
-            else (h.reason, tuple(h.shape), h.is_view, h.has_views, h.uses, h.packs)
+            else (h.reason, tuple(h.shape), h.is_view, h.has_views, h.forward_uses, h.saved_refs)
             for h in n.outputs
         )
         ins = tuple((h.node_index, h.index) for h in n.inputs)
