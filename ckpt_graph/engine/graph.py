@@ -105,7 +105,9 @@ class Handle:
     Attributes:
         node_index: position of the producing op node in ``region.nodes``; -1 for a
             region input or a value the engine took as is.
-        index: output index within the producer.
+        output_index: position among the producer's outputs; -1 for a region input.
+        input_index: for a region input (``node_index == -1``), its position in
+            ``region.inputs``; -1 for an op node output.
         version: the tensor's ``_version`` when this value was current (-1 until first
             observed after an in-place op; see Note [Mutation and views]).
         ref: weak reference to the forward tensor, for version checks.
@@ -153,12 +155,13 @@ class Handle:
         "dtype",
         "forward_uses",
         "has_views",
-        "index",
+        "input_index",
         "is_view",
         "live_uses",
         "nbytes",
         "node_index",
         "offload_device",
+        "output_index",
         "pass_uses",
         "reason",
         "ref",
@@ -173,9 +176,12 @@ class Handle:
         "writes",
     )
 
-    def __init__(self, t: torch.Tensor, node_index: int, index: int) -> None:
+    def __init__(
+        self, t: torch.Tensor, node_index: int, output_index: int, input_index: int = -1
+    ) -> None:
         self.node_index = node_index
-        self.index = index
+        self.output_index = output_index
+        self.input_index = input_index
         try:  # version_of(), inlined: a handle is made for every op output
             self.version = t._version
         except RuntimeError:
@@ -219,7 +225,7 @@ class Handle:
         self.reason = None
 
     def __repr__(self) -> str:
-        where = "input" if self.node_index < 0 else f"op {self.node_index}[{self.index}]"
+        where = "input" if self.node_index < 0 else f"op {self.node_index}[{self.output_index}]"
         state = f"kept ({self.reason})" if self.kept else "recomputed"
         return f"Handle({where}, {tuple(self.shape)}, {self.dtype}, {state})"
 

@@ -240,7 +240,7 @@ class Region:
             reason = graph.MUTATED_ALIAS
         else:
             reason = graph.INPUT
-        h = Handle(t, -1, len(self.inputs))
+        h = Handle(t, -1, -1, len(self.inputs))
         self.inputs.append(h)
         self._ids[id(t)] = h
         hold(self, h, t, reason)
