@@ -23,18 +23,18 @@ from ckpt_graph.engine.storage_history import after_write
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
 
-__all__ = ["KEEP", "decide", "record_node"]
+__all__ = ["KEPT_ON_HOST", "decide", "record_node"]
 
 _Tensor = torch.Tensor
 
-# Decisions that keep a value, and whether they keep it in host memory.
-KEEP = {
+# Decisions that keep a value (the keys), and whether each keeps it in host memory.
+KEPT_ON_HOST = {
     CheckpointPolicy.MUST_SAVE: False,
     CheckpointPolicy.PREFER_SAVE: False,
     CheckpointPolicy.MUST_CPU_OFFLOAD: True,
     CheckpointPolicy.PREFER_CPU_OFFLOAD: True,
 }
-_KEEP_IDS = frozenset(id(d) for d in KEEP)  # for every op: Enum.__hash__ is Python code
+_KEEP_IDS = frozenset(id(d) for d in KEPT_ON_HOST)  # for every op: Enum.__hash__ is Python code
 
 
 def record_node(
@@ -164,4 +164,4 @@ def decide(
         if overwritten is not None:
             hold_new_version(region, overwritten, h, o)
         elif keep:
-            hold(region, h, o, reason, KEEP.get(decision, False))
+            hold(region, h, o, reason, KEPT_ON_HOST.get(decision, False))
