@@ -30,7 +30,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import ckpt_graph as cg
-from ckpt_graph.compare.zoo import GPT
+from ckpt_graph.compare.architectures import GPT
 from ckpt_graph.engine import realize
 from ckpt_graph.memory import measure
 from ckpt_graph.planner import memory_budget as budget_mod

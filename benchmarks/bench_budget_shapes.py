@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 import ckpt_graph as cg
-from ckpt_graph.compare.zoo import GPT
+from ckpt_graph.compare.architectures import GPT
 from ckpt_graph.planner.memory_budget import MemoryBudget, memory_budget
 
 LAYERS, WIDTH, HEADS, BATCH, VOCAB, MAX_SEQ = 4, 64, 4, 4, 256, 128

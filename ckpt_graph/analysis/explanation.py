@@ -19,6 +19,7 @@ from ckpt_graph.analysis.values import (
     fmt_flops,
     recompute_chain,
     storage_root,
+    value_position,
 )
 
 if TYPE_CHECKING:
@@ -189,7 +190,7 @@ def explain(region: Region, tensor: torch.Tensor) -> Explanation:
     return Explanation(
         value=describe(region, h),
         op_index=h.node_index,
-        output_index=h.index,
+        output_index=value_position(h),
         nbytes=h.nbytes,
         kept=h.kept,
         reason=h.reason,

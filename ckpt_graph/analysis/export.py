@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from ckpt_graph.analysis.values import category, fmt_bytes, node_flops
+from ckpt_graph.analysis.values import category, fmt_bytes, node_flops, value_position
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -89,7 +89,7 @@ def _record(node: OpNode, tagged: set[Handle]) -> OpRecord:
         decision=getattr(node.decision, "name", str(node.decision)),
         decided_by=_decided_by(node, tagged),
         kept=tuple(o.reason if o is not None else None for o in outs),
-        inputs=tuple((h.node_index, h.index) for h in node.inputs),
+        inputs=tuple((h.node_index, value_position(h)) for h in node.inputs),
         flops=node_flops(node),
         realized=node.realized,
         is_random=node.info.is_random,
@@ -122,7 +122,7 @@ _FIELDS = tuple(f.name for f in fields(OpRecord))
 
 
 def _value_node(h: Handle) -> int | tuple[str, int]:
-    return h.node_index if h.node_index >= 0 else ("input", h.index)
+    return h.node_index if h.node_index >= 0 else ("input", h.input_index)
 
 
 def to_networkx(region: Region) -> nx.DiGraph:
@@ -145,7 +145,7 @@ def to_networkx(region: Region) -> nx.DiGraph:
 
     g = nx.DiGraph()
     for h in region.inputs:
-        g.add_node(("input", h.index), **_input_attrs(h))
+        g.add_node(("input", h.input_index), **_input_attrs(h))
     for node in region.nodes:
         record = _record(node, region.tagged)
         g.add_node(node.index, kind="op", **{f: getattr(record, f) for f in _FIELDS})
@@ -153,11 +153,13 @@ def to_networkx(region: Region) -> nx.DiGraph:
             src = _value_node(h)
             if g.has_edge(src, node.index):  # several outputs of one producer (split -> cat)
                 edge = g.edges[src, node.index]
-                edge["outputs"] += (h.index,)
+                edge["outputs"] += (value_position(h),)
                 edge["nbytes"] += h.nbytes
                 edge["kept"] += (h.reason,)
             else:
-                g.add_edge(src, node.index, outputs=(h.index,), nbytes=h.nbytes, kept=(h.reason,))
+                g.add_edge(
+                    src, node.index, outputs=(value_position(h),), nbytes=h.nbytes, kept=(h.reason,)
+                )
     return g
 
 
@@ -187,10 +189,10 @@ def to_dot(region: Region) -> str:
     ]
     for h in region.inputs:
         shape = "x".join(str(s) for s in h.shape) or "scalar"
-        label = f"input {h.index}\\n[{shape}]"
+        label = f"input {h.input_index}\\n[{shape}]"
         if h.reason is not None and h.reason != "input":
             label += "\\nsnapshot"
-        lines.append(f'  in{h.index} [label="{label}", shape=ellipse, fillcolor="{_INPUT}"];')
+        lines.append(f'  in{h.input_index} [label="{label}", shape=ellipse, fillcolor="{_INPUT}"];')
     for node in region.nodes:
         reasons = [o.reason for o in node.outputs if o is not None and o.reason is not None]
         if any(r.by_engine for r in reasons):
@@ -209,7 +211,7 @@ def to_dot(region: Region) -> str:
         label = "\\n".join(_dot_escape(p) for p in parts)
         lines.append(f'  op{node.index} [label="{label}", fillcolor="{colour}"];')
         for h in node.inputs:
-            src = f"op{h.node_index}" if h.node_index >= 0 else f"in{h.index}"
+            src = f"op{h.node_index}" if h.node_index >= 0 else f"in{h.input_index}"
             lines.append(f'  {src} -> op{node.index} [label="{fmt_bytes(h.nbytes)}"];')
     lines.append("}")
     return "\n".join(lines) + "\n"

@@ -48,6 +48,7 @@ __all__ = [
     "recompute_chain",
     "recompute_key",
     "storage_root",
+    "value_position",
     "written_input",
 ]
 
@@ -247,14 +248,23 @@ def recompute_chain(
     order = tuple(sorted(ran))
     return Chain(
         nodes=order,
-        values=tuple(sorted(values.values(), key=lambda v: (v.node_index, v.index))),
+        values=tuple(sorted(values.values(), key=lambda v: (v.node_index, v.output_index))),
         # kept op outputs first: they say more than parameters
         sources=tuple(
-            sorted(sources.values(), key=lambda v: (v.node_index < 0, v.node_index, v.index))
+            sorted(
+                sources.values(), key=lambda v: (v.node_index < 0, v.node_index, value_position(v))
+            )
         ),
         flops=sum(node_flops(nodes[i]) for i in order),
         nbytes=sum(keys.values()),
     )
+
+
+def value_position(h: Handle) -> int:
+    """The second half of the ``(op index, position)`` pairs the analysis records name values
+    by: ``h``'s output index within its producer, or its position in ``region.inputs`` for a
+    region input (op index -1)."""
+    return h.output_index if h.node_index >= 0 else h.input_index
 
 
 def decided_by(region: Region, h: Handle) -> str:
@@ -273,10 +283,10 @@ def describe(region: Region, h: Handle) -> str:
     shape = "x".join(str(s) for s in h.shape) or "scalar"
     dtype = str(h.dtype).removeprefix("torch.")
     if h.node_index < 0:
-        return f"region input {h.index} [{shape} {dtype}]"
+        return f"region input {h.input_index} [{shape} {dtype}]"
     node = region.nodes[h.node_index]
     where = f" in {node.module_path}" if node.module_path else ""
-    return f"output {h.index} of op #{node.index} {node.info.name}{where} [{shape} {dtype}]"
+    return f"output {h.output_index} of op #{node.index} {node.info.name}{where} [{shape} {dtype}]"
 
 
 def fmt_bytes(n: int) -> str:

@@ -1,7 +1,7 @@
 """The engine: record a region's aten ops, pack saved tensors as handles, realize them in backward.
 
 Pipeline, one module per stage: ``graph`` (op nodes, handles), ``record`` (the dispatch mode),
-``mutation`` (in-place writes, views, RNG capture), ``decisions`` (the policy protocol the
+``mutation`` (in-place writes, views), ``decisions`` (the policy protocol the
 engine asks: context, decisions, stack resolution), ``hooks`` (pack/unpack), ``realize``
 (recompute, cache, free), ``region`` and ``api`` (the user-facing context manager). The
 engine imports nothing from the layers above it (policies, planner, analysis, compare).

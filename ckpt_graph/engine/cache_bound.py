@@ -26,7 +26,7 @@ is validated by :func:`parse_cache_limit`.
 # 2. A bounded realize first collects the op nodes to run (from its target back to kept or
 #    cached values) and counts, per value, the collected ops that read it (``need``); then it
 #    runs them in forward order. A value that no remaining op of the realize reads, but a
-#    later unpack or op will (``pending > 0``), joins the open *segment* (a view counts the
+#    later unpack or op will (``pass_uses > 0``), joins the open *segment* (a view counts the
 #    storage it holds). The segment is closed when it would exceed K bytes, or earlier at a
 #    cheap place: once it holds K / 2 and the frontier is at most F. Closing makes every
 #    value of this realize that a remaining op still reads (the frontier: with the kept
@@ -121,12 +121,12 @@ def segment_limit(region: Region, last: dict[Handle, int]) -> int:
     saved: set[Handle] = set()
     for node in region.nodes:
         for o in node.outputs:
-            if o is not None and o.reason is None and o.pending > 0:
+            if o is not None and o.reason is None and o.pass_uses > 0:
                 root = root_of(region, o)
                 if root.reason is not None:
                     continue  # a view of a kept value holds nothing
                 end[root] = max(end.get(root, 0), last.get(o, node.index))
-                if o.packs:
+                if o.saved_refs:
                     saved.add(root)
     total = sum(h.nbytes for h in saved)
     spans = sum(h.nbytes * (e - h.node_index) for h, e in end.items())
@@ -166,7 +166,7 @@ def _first_realize_bytes(region: Region) -> int:
     while stack:
         node = nodes[stack.pop()]
         for o in node.outputs:
-            if o is not None and o.reason is None and o.packs:
+            if o is not None and o.reason is None and o.saved_refs:
                 roots.add(root_of(region, o))
         for i in node.inputs:
             if i.reason is None and i.node_index not in seen:
@@ -236,7 +236,7 @@ def owe(region: Region, node: OpNode) -> None:
         n.owed = True
         for i in n.inputs:
             if i.reason is None:
-                i.pending += 1
+                i.pass_uses += 1
                 if i.cache is None:
                     stack.append(nodes[i.node_index])
 
@@ -266,7 +266,7 @@ def plan_realize(region: Region, h: Handle) -> list[int]:
     held: set[Handle] = set()
     for index in order:
         for o in nodes[index].outputs:
-            if o is not None and o.reason is None and o.pending > need.get(o, 0):
+            if o is not None and o.reason is None and o.pass_uses > need.get(o, 0):
                 held.add(root_of(region, o))
     held_bytes = sum(r.nbytes for r in held if r.reason is None)
     state.segment = []

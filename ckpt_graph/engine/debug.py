@@ -86,9 +86,11 @@ def check_kept(region: Region, h: Handle, value: torch.Tensor) -> None:
     if h.node_index < 0:
         t = h.ref() if h.ref is not None else None
         kind = "a parameter" if isinstance(t, torch.nn.Parameter) else "a tensor"
-        what = f"{kind} used by the region (region input #{h.index})"
+        what = f"{kind} used by the region (region input #{h.input_index})"
     else:
-        what = f"output {h.index} of op #{h.node_index} {region.nodes[h.node_index].info.name}"
+        what = (
+            f"output {h.output_index} of op #{h.node_index} {region.nodes[h.node_index].info.name}"
+        )
     raise CkptGraphError(
         f"ckpt_graph: debug check failed: {what} [{h.dtype} {list(h.shape)}] was modified "
         "after the region's forward without a version change (checksum "

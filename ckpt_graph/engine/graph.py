@@ -105,7 +105,9 @@ class Handle:
     Attributes:
         node_index: position of the producing op node in ``region.nodes``; -1 for a
             region input or a value the engine took as is.
-        index: output index within the producer.
+        output_index: position among the producer's outputs; -1 for a region input.
+        input_index: for a region input (``node_index == -1``), its position in
+            ``region.inputs``; -1 for an op node output.
         version: the tensor's ``_version`` when this value was current (-1 until first
             observed after an in-place op; see Note [Mutation and views]).
         ref: weak reference to the forward tensor, for version checks.
@@ -125,17 +127,23 @@ class Handle:
             the writes through its views).
         base_writes: for a view, its base's ``writes`` when the view was made: a later
             write changed the view's elements (see Note [Mutation and views], rule 6).
-        uses: number of op nodes and saved tensors of the forward that consumed it.
-        packs: number of saved tensors (autograd packs) that refer to it.
-        live: after forward, saved tensors and runnable op nodes that may still need the
-            value (see Note [Releasing kept values]).
-        pending: per backward pass, users that still need the value (see Note [Use counts
-            and freeing]).
-        cache: per backward pass, the recomputed value while ``pending > 0``.
+        forward_uses: op nodes and saved tensors of the forward that consumed the value,
+            counted while recording and never decremented (a kept value nothing used yet
+            is overwritten in place without a copy: Note [Mutation and views], rule 4).
+        saved_refs: saved tensors alive now (``hooks.Packed`` objects) that refer to the
+            value; each is released when autograd frees it.
+        live_uses: from region exit on, across backward passes: saved tensors and op nodes
+            that may still run that need the value; a kept value is released when it
+            reaches zero (see Note [Releasing kept values]).
+        pass_uses: the use count of the current backward pass: saved tensors and op nodes
+            that will run in this pass still to use the value; its cache is freed when it
+            reaches zero (see Note [Use counts and freeing]).
+        cache: per backward pass, the recomputed value while ``pass_uses > 0``.
         transient: per backward pass, a cheap value recomputed at each use instead of
             cached between uses (see Note [Transient values]).
-        pins: per backward pass, op nodes waiting to run that need the cached value of a
-            transient handle.
+        waiting_readers: per backward pass, for a transient value, the op nodes of the
+            running realize waiting to run that read its cached value (``realize`` pins
+            and unpins it); the cache is dropped when none is left.
     """
 
     __slots__ = (
@@ -145,31 +153,35 @@ class Handle:
         "cache",
         "device",
         "dtype",
+        "forward_uses",
         "has_views",
-        "index",
+        "input_index",
         "is_view",
-        "live",
+        "live_uses",
         "nbytes",
         "node_index",
         "offload_device",
-        "packs",
-        "pending",
-        "pins",
+        "output_index",
+        "pass_uses",
         "reason",
         "ref",
+        "saved_refs",
         "shape",
         "stride",
         "superseded",
         "transient",
-        "uses",
         "value",
         "version",
+        "waiting_readers",
         "writes",
     )
 
-    def __init__(self, t: torch.Tensor, node_index: int, index: int) -> None:
+    def __init__(
+        self, t: torch.Tensor, node_index: int, output_index: int, input_index: int = -1
+    ) -> None:
         self.node_index = node_index
-        self.index = index
+        self.output_index = output_index
+        self.input_index = input_index
         try:  # version_of(), inlined: a handle is made for every op output
             self.version = t._version
         except RuntimeError:
@@ -189,13 +201,13 @@ class Handle:
         self.writes = 0
         self.has_views = False
         self.superseded = False
-        self.uses = 0
-        self.packs = 0
-        self.live = 0
-        self.pending = 0
+        self.forward_uses = 0
+        self.saved_refs = 0
+        self.live_uses = 0
+        self.pass_uses = 0
         self.cache: torch.Tensor | None = None
         self.transient = False
-        self.pins = 0
+        self.waiting_readers = 0
 
     @property
     def kept(self) -> bool:
@@ -213,7 +225,7 @@ class Handle:
         self.reason = None
 
     def __repr__(self) -> str:
-        where = "input" if self.node_index < 0 else f"op {self.node_index}[{self.index}]"
+        where = "input" if self.node_index < 0 else f"op {self.node_index}[{self.output_index}]"
         state = f"kept ({self.reason})" if self.kept else "recomputed"
         return f"Handle({where}, {tuple(self.shape)}, {self.dtype}, {state})"
 
@@ -341,6 +353,10 @@ class OpNode:
         stack: Python stack of the forward call (only with ``debug=True``).
         checksums: per output, a checksum of the forward value (only with ``debug=True``).
         realized: how many times the op ran during backward passes.
+        may_run: from region exit on, some recomputed output still has live uses, so the
+            op node may have to run again; once ``False`` it never runs again and its
+            generator state is dropped when its kept outputs have no live use either (see
+            Note [Releasing kept values]).
         transient: per backward pass, its output is transient (see Note [Transient values]).
         owed: per bounded pass, an output was dropped while pending: the op runs again
             (see Note [Bounded recompute cache]).
@@ -360,7 +376,7 @@ class OpNode:
     checksums: tuple[tuple[float, float, float] | None, ...] | None = None
     realized = 0
     pass_id = -1
-    live = False
+    may_run = False
     transient = False
     owed = False
 

@@ -2,7 +2,7 @@
 
 # Note [Packed lifetime]
 # The pack hook returns a small ``Packed`` object (region, handle) for each tensor autograd
-# saves in the region, counting it in the handle's ``packs`` and the region's live packs.
+# saves in the region, counting it in the handle's ``saved_refs`` and the region's live packs.
 # Autograd holds these objects in its graph; when it releases one (after the node ran in a
 # backward without ``retain_graph``, or when the graph is dropped), ``Packed.__del__``
 # decrements the counts. When the region has exited and its last packed object is gone,
@@ -49,7 +49,7 @@ class Packed(_PackedBase):
         self.region = region
         self.handle = handle
         self.read = -1  # pass number of the last read; see Note [Reading a saved tensor again]
-        handle.packs += 1
+        handle.saved_refs += 1
         region._live_packs += 1
 
     def __del__(self) -> None:
@@ -57,7 +57,7 @@ class Packed(_PackedBase):
             handle, region = self.handle, self.region
         except AttributeError:  # made without __init__ (e.g. by a compiler's tracing)
             return
-        handle.packs -= 1
+        handle.saved_refs -= 1
         region._pack_released(handle)
 
     def __repr__(self) -> str:
@@ -80,7 +80,7 @@ def pack_hook_for(region: Region) -> Callable[[torch.Tensor], Any]:
         if region._unsettled:
             region._settle()
         h = handle_of(t)
-        h.uses += 1
+        h.forward_uses += 1
         if h.device is None:
             stride = t.stride()
             h.stride = region._strides.setdefault(stride, stride)  # shared, as sizes are

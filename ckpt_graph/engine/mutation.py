@@ -1,4 +1,4 @@
-"""Mutation bookkeeping of the recorder: in-place ops, views, kept values, generator states.
+"""Mutation bookkeeping of the recorder: in-place ops, views, kept values.
 
 # Note [Mutation and views]
 # Every tensor the region sees maps to the handle of the value it holds *now*
@@ -13,20 +13,20 @@
 #      from the map: their next use takes the tensor as it is (a kept snapshot).
 #   3. A tensor whose version changed through another alias (``x[0:2].mul_(3)`` changes
 #      ``x``; ``out[:, t] = h`` in an RNN loop changes ``out``) no longer matches its
-#      handle. The region keeps a ``StorageHistory`` per written storage: its ``head`` is
-#      the result of the last write, whose recomputation holds every write so far as long
-#      as each write starts from the head or a view of it. The tensor's next use is then
-#      *rebased*: an engine-made ``as_strided`` op node views the head with the tensor's
-#      sizes, strides and storage offset, recomputed like any view (filling a buffer step
-#      by step keeps nothing, where a snapshot per step cost a copy of the buffer per
-#      write: a quadratic peak). Otherwise (a write that started elsewhere, such as chunks
-#      with counters of their own, several written arguments, a host-offloaded head) the
-#      next use takes the tensor as a kept snapshot (reason ``MUTATED_ALIAS``). The same
-#      holds for a
-#      write through an alias with a version counter of its own (``x.data.mul_(3)``, seen
-#      as a ``detach`` view): the version stays, but the handle is superseded. A saved
-#      tensor of the old value then cannot be served as eager would (eager reads the new
-#      values, unchecked), and unpacking it raises an error naming ``.data``.
+#      handle. The region keeps a ``StorageHistory`` per written storage
+#      (``storage_history.py``): its ``head`` is the result of the last write, whose
+#      recomputation holds every write so far as long as each write starts from the head or
+#      a view of it. The tensor's next use is then *rebased*: an engine-made ``as_strided``
+#      op node views the head with the tensor's sizes, strides and storage offset,
+#      recomputed like any view (filling a buffer step by step keeps nothing, where a
+#      snapshot per step cost a copy of the buffer per write: a quadratic peak). Otherwise
+#      (a write that started elsewhere, such as chunks with counters of their own, several
+#      written arguments, a host-offloaded head) the next use takes the tensor as a kept
+#      snapshot (reason ``MUTATED_ALIAS``). The same holds for a write through an alias with
+#      a version counter of its own (``x.data.mul_(3)``, seen as a ``detach`` view): the
+#      version stays, but the handle is superseded. A saved tensor of the old value then
+#      cannot be served as eager would (eager reads the new values, unchecked), and
+#      unpacking it raises an error naming ``.data``.
 #   4. Kept values are shared with the forward tensors. Before an op writes a storage,
 #      every kept value in that storage whose elements the write may touch (``overlap``:
 #      exact for slices and chunks, conservative otherwise) and that some op node or saved
@@ -66,66 +66,22 @@
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.checkpoint import CheckpointPolicy
 
-from ckpt_graph.engine.graph import (
-    SILENT_WRITE,
-    UNANNOTATED_ALIASES,
-    Handle,
-    OpInfo,
-    OpNode,
-    arg_at,
-    op_info,
-)
+from ckpt_graph.engine.graph import SILENT_WRITE, Handle, OpInfo, arg_at
 from ckpt_graph.engine.holding import hold_copy, index_storage
+from ckpt_graph.engine.overlap import overlap
 from ckpt_graph.engine.replay import exact_copy
+from ckpt_graph.engine.storage_history import alias_source, note_write
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
 
-__all__ = [
-    "StorageHistory",
-    "before_write",
-    "capture_rng",
-    "mark_written",
-    "overlap",
-    "rebase",
-    "supersede_view_bases",
-]
+__all__ = ["before_write", "mark_written", "supersede_view_bases"]
 
-_AS_STRIDED = torch.ops.aten.as_strided.default
 _set_versions = torch._C._autograd._unsafe_set_version_counter
-_CHAIN_LIMIT = 64  # views followed back to the last write (see ``_descends``)
-
-
-class StorageHistory:
-    """The writes of the region to one storage. See Note [Mutation and views], rule 3.
-
-    Attributes:
-        head: handle of the value the last write returned, whose recomputation holds
-            every write to the storage so far; ``None`` before the first write or once
-            ``diverged``.
-        roots: handles of the values written to (or through views of), not themselves
-            views: a stale view of one of them can be rebased on ``head``.
-        diverged: a write did not start from ``head`` (chunks with counters of their own
-            written one by one): its recomputation may miss earlier writes, so stale
-            values of the storage are kept as snapshots instead.
-    """
-
-    __slots__ = ("diverged", "head", "roots", "storage")
-
-    def __init__(self, storage: torch.UntypedStorage) -> None:
-        # Histories are found by the storage's address; a storage freed during the region
-        # and another allocated at its address must not share one.
-        self.storage = StorageWeakRef(storage)
-        self.head: Handle | None = None
-        self.roots: set[Handle] = set()
-        self.diverged = False
 
 
 def before_write(
@@ -159,7 +115,7 @@ def before_write(
         if not info.silent_writes:
             supersede_view_bases(region, written)
         key = t.untyped_storage().data_ptr()
-        _note_write(region, info, t.untyped_storage(), written)
+        note_write(region, info, t.untyped_storage(), written)
         entries = region._by_storage.get(key)
         if not entries:
             continue
@@ -176,10 +132,10 @@ def before_write(
             if k is not written and not info.silent_writes:
                 k.superseded = True  # its bytes change (see rule 3 for other counters)
                 k.writes += 1
-            if k is written and k.uses == 0 and info.returns_written:
+            if k is written and k.forward_uses == 0 and info.returns_written:
                 overwritten = k  # rule 4: its new version keeps the tensor
                 continue
-            if k.uses == 0 and (k is not written or info.returns_written):
+            if k.forward_uses == 0 and (k is not written or info.returns_written):
                 continue  # nobody needs the old value (this op does if it has other outputs)
             copy = exact_copy(k.value)
             if k.version >= 0:  # the copy carries the version the value had
@@ -198,109 +154,6 @@ def before_write(
     return overwritten
 
 
-def _history(region: Region, storage: torch.UntypedStorage) -> StorageHistory | None:
-    """The history of the writes to ``storage``, if the region wrote to it."""
-    key = storage.data_ptr()
-    history = region._storages.get(key)
-    if history is not None and history.storage.expired():
-        del region._storages[key]  # a storage freed since, whose address was reused
-        return None
-    return history
-
-
-def _note_write(
-    region: Region, info: OpInfo, storage: torch.UntypedStorage, written: Handle
-) -> None:
-    """Update the storage's history before a write; ``after_write`` sets the new head."""
-    history = _history(region, storage)
-    if history is None:
-        history = region._storages[storage.data_ptr()] = StorageHistory(storage)
-    region._writing = None
-    if history.diverged:
-        return
-    if (
-        len(info.writes) != 1
-        or not info.returns_written
-        or info.silent_writes
-        or (history.head is not None and not _descends(region, written, history.head))
-    ):
-        history.diverged = True
-        history.head = None
-        return
-    root = written.base or written
-    history.roots.add(root)
-    src = _alias_source(region, root)
-    if src is not None:
-        history.roots.add(src)
-    region._writing = history
-
-
-def after_write(region: Region, out: Handle | None) -> None:
-    """The write recorded by ``before_write`` returned ``out``: the storage's new head."""
-    history = region._writing
-    if history is not None:
-        region._writing = None
-        if out is None:
-            history.diverged = True
-            history.head = None
-        else:
-            history.head = out
-
-
-def _descends(region: Region, h: Handle, head: Handle) -> bool:
-    """Whether ``h`` is ``head`` or a view of it (through view ops only)."""
-    nodes = region.nodes
-    for _ in range(_CHAIN_LIMIT):
-        if h is head:
-            return True
-        if not h.is_view or h.node_index < 0:
-            return False
-        node = nodes[h.node_index]
-        if node.info.writes or not node.inputs:
-            return False
-        h = node.inputs[0]
-    return False
-
-
-def rebase(region: Region, t: torch.Tensor, old: Handle) -> Handle | None:
-    """The value ``t`` holds after writes to its storage through other aliases, as a view
-    of the last write's result, or ``None`` if it cannot be derived so (rule 3).
-
-    ``old`` is the handle of the value ``t`` held before.
-    """
-    history = _history(region, t.untyped_storage())
-    if history is None or history.head is None or (old.base or old) not in history.roots:
-        return None
-    head = history.head
-    if head.offload_device is not None or head.dtype != t.dtype:
-        return None  # a host copy keeps only the view's elements, not the storage
-    index = len(region.nodes)
-    args = (head, list(t.size()), list(t.stride()), int(t.storage_offset()))
-    node = OpNode(index, _AS_STRIDED, op_info(_AS_STRIDED), args, {}, (head,))
-    head.uses += 1
-    head.has_views = True
-    h = Handle(t, index, 0)
-    h.is_view = True  # its bytes belong to the last write's value; its own base
-    node.outputs = (h,)
-    node.decision = CheckpointPolicy.PREFER_RECOMPUTE
-    node.decided_by = "engine"
-    node.module_path = region._modules.current_path
-    region.nodes.append(node)
-    history.roots.add(h)
-    return h
-
-
-def _alias_source(region: Region, root: Handle) -> Handle | None:
-    """The value whose storage ``root`` aliases without being its view (``unsafe_chunk``)."""
-    if root.node_index < 0:
-        return None
-    node = region.nodes[root.node_index]
-    if node.op not in UNANNOTATED_ALIASES or not node.inputs:
-        return None
-    src = node.inputs[0]
-    return src.base or src
-
-
 def supersede_view_bases(region: Region, h: Handle) -> None:
     """A write through a view changes the value of the view's base too (rule 6), and a
     write to an ``unsafe_chunk`` output the value it was cut from."""
@@ -308,74 +161,10 @@ def supersede_view_bases(region: Region, h: Handle) -> None:
     if b is not None:
         b.superseded = True
         b.writes += 1
-    src = _alias_source(region, b or h)
+    src = alias_source(region, b or h)
     if src is not None:
         src.superseded = True
         src.writes += 1
-
-
-def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors on one storage may share an element; exact for strided views
-    such as slices and chunks of one tensor, conservative (``True``) otherwise.
-
-    See Note [Mutation and views], rule 4.
-    """
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    if a.dtype != b.dtype:
-        return _span_overlap(a, b)
-    # Element sets {offset + sum(i_d * stride_d)}. Dims of size 1 or stride 0 add nothing.
-    sa = {st: n for n, st in zip(a.shape, a.stride(), strict=True) if n > 1 and st > 0}
-    sb = {st: n for n, st in zip(b.shape, b.stride(), strict=True) if n > 1 and st > 0}
-    if len(sa) != sum(1 for n, st in zip(a.shape, a.stride(), strict=True) if n > 1 and st > 0):
-        return True  # two dims with one stride: the tensor overlaps itself
-    if len(sb) != sum(1 for n, st in zip(b.shape, b.stride(), strict=True) if n > 1 and st > 0):
-        return True
-    strides = sorted(sa.keys() | sb.keys(), reverse=True)
-    delta = int(b.storage_offset()) - int(a.storage_offset())
-    # Write b's offset in a's coordinates: b's element j sits at coordinate q + j.
-    q: list[int] = []
-    rest = abs(delta)
-    for st in strides:
-        q.append(rest // st)
-        rest -= q[-1] * st
-    if rest:
-        return _span_overlap(a, b)
-    sign = 1 if delta >= 0 else -1
-    lo: list[int] = []
-    hi: list[int] = []
-    disjoint = False
-    for st, qd in zip(strides, q, strict=True):
-        na, nb, qd = sa.get(st, 1), sb.get(st, 1), sign * qd
-        lo.append(min(0, qd))
-        hi.append(max(na, qd + nb))
-        if qd >= na or qd + nb <= 0:
-            disjoint = True  # the two boxes do not meet along this dim
-    if not disjoint:
-        return True
-    # Coordinates are unique in the union box when each stride exceeds the span of the
-    # smaller ones; then disjoint boxes are disjoint element sets.
-    inner = 0
-    for st, low, high in zip(reversed(strides), reversed(lo), reversed(hi), strict=True):
-        if st <= inner:
-            return _span_overlap(a, b)
-        inner += st * (high - low - 1)
-    return False
-
-
-def _span_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the byte ranges between the first and last elements of two tensors meet."""
-    sa, sb = _span(a), _span(b)
-    return sa[0] < sb[1] and sb[0] < sa[1]
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    start = int(t.storage_offset())
-    end = start + 1
-    for n, stride in zip(t.shape, t.stride(), strict=True):
-        end += (int(n) - 1) * int(stride)
-    size = t.element_size()
-    return start * size, end * size
 
 
 def mark_written(
@@ -400,43 +189,3 @@ def mark_written(
             t = arg_at(args, kwargs, w)
             region._ids.pop(id(t), None)
     return first
-
-
-def capture_rng(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[torch.Generator, torch.Tensor] | None:
-    """Generator state just before a random op runs. See Note [RNG replay]."""
-    gen = kwargs.get("generator")
-    if gen is None:
-        device = kwargs.get("device")
-        if device is None:
-            device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        device = torch.device(device) if device is not None else torch.get_default_device()
-        if device.type == "cpu":
-            gen = torch.default_generator
-        elif device.type == "cuda":
-            idx = device.index if device.index is not None else torch.cuda.current_device()
-            gen = torch.cuda.default_generators[idx]
-        else:
-            return None  # no replay known for this device: outputs are kept
-    state = gen.get_state()
-    # See Note [RNG replay]: consecutive random ops that left the generator as it was (SDPA
-    # without dropout, dropout(p=0)) share one state tensor instead of holding a copy each.
-    last_gen, last_state = _LAST_RNG
-    if last_gen is not None and last_gen() is gen:
-        last = last_state()
-        if last is not None and _same(last, state):
-            return gen, last
-    _LAST_RNG[:] = [weakref.ref(gen), weakref.ref(state)]
-    return gen, state
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # Below every dispatch mode: the caller's own modes (an op counter, a profiler) must not
-    # see the engine's bookkeeping as ops of the program.
-    with torch._C._DisableTorchDispatch():
-        return torch.equal(a, b)
-
-
-# The generator and the state tensor of the last capture, weakly held (a region owns them).
-_LAST_RNG: list[Any] = [None, None]

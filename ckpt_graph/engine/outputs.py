@@ -17,23 +17,24 @@ from ckpt_graph.engine.debug import checksums
 from ckpt_graph.engine.decisions import resolve
 from ckpt_graph.engine.graph import Handle, OpInfo, OpNode
 from ckpt_graph.engine.holding import hold, hold_new_version
-from ckpt_graph.engine.mutation import after_write, mark_written
+from ckpt_graph.engine.mutation import mark_written
+from ckpt_graph.engine.storage_history import after_write
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
 
-__all__ = ["KEEP", "decide", "record_node"]
+__all__ = ["KEPT_ON_HOST", "decide", "record_node"]
 
 _Tensor = torch.Tensor
 
-# Decisions that keep a value, and whether they keep it in host memory.
-KEEP = {
+# Decisions that keep a value (the keys), and whether each keeps it in host memory.
+KEPT_ON_HOST = {
     CheckpointPolicy.MUST_SAVE: False,
     CheckpointPolicy.PREFER_SAVE: False,
     CheckpointPolicy.MUST_CPU_OFFLOAD: True,
     CheckpointPolicy.PREFER_CPU_OFFLOAD: True,
 }
-_KEEP_IDS = frozenset(id(d) for d in KEEP)  # for every op: Enum.__hash__ is Python code
+_KEEP_IDS = frozenset(id(d) for d in KEPT_ON_HOST)  # for every op: Enum.__hash__ is Python code
 
 
 def record_node(
@@ -59,7 +60,7 @@ def record_node(
     if rng is not None:
         node.rng = rng
     for h in inputs:
-        h.uses += 1
+        h.forward_uses += 1
     previous: Handle | None = None
     if info.writes:
         previous = mark_written(region, info, h_args, h_kwargs, args, kwargs)
@@ -165,4 +166,4 @@ def decide(
         if overwritten is not None:
             hold_new_version(region, overwritten, h, o)
         elif keep:
-            hold(region, h, o, reason, KEEP.get(decision, False))
+            hold(region, h, o, reason, KEPT_ON_HOST.get(decision, False))

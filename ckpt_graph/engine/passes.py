@@ -3,7 +3,7 @@
 # Note [Use counts and freeing]
 # Each backward pass of a region starts at the first unpack whose autograd graph task id
 # differs from the last one seen. It computes, for every recomputed handle, its use count
-# for the pass (``Handle.pending``): the saved tensors still alive that refer to it, plus
+# for the pass (``Handle.pass_uses``): the saved tensors still alive that refer to it, plus
 # every op node that will have to run and takes it as input. Op nodes are recorded in
 # forward order, which is a topological order, so one sweep from the last node back
 # decides which nodes will run (some recomputed output is pending) and adds their inputs.
@@ -32,16 +32,16 @@
 #   add up to no more bytes than ``h``.
 #
 # The uses of the producer's inputs are tied to the uses of ``h``: each input gets
-# ``h.pending - 1`` extra uses, running the producer releases nothing, and every use of
+# ``h.pass_uses - 1`` extra uses, running the producer releases nothing, and every use of
 # ``h`` served releases one use of each input. So the inputs stay cached exactly as long as
-# ``h`` could be needed again, whatever the number of actual runs. The cached value of
-# ``h`` is dropped as soon as no op node waiting to run needs it: ``realize`` *pins* a
-# transient input when it expands a node and unpins it after the node ran, and ops in one
-# realize share one run. Memory never grows: at any time the producer's recomputed inputs
-# held for ``h`` (no more bytes than ``h``, and cached for other users anyway) replace ``h``
-# itself; the cost is one cheap pointwise op per extra use. In the residual example, the
-# value between attention and MLP (``x + attn``) becomes transient and half of the residual
-# stream is no longer cached.
+# ``h`` could be needed again, whatever the number of actual runs. The cached value of ``h``
+# is dropped as soon as no op node waiting to run needs it: ``realize`` *pins* a transient
+# input when it expands a node and unpins it after the node ran
+# (``Handle.waiting_readers``), and ops in one realize share one run. Memory never grows: at
+# any time the producer's recomputed inputs held for ``h`` (no more bytes than ``h``, and
+# cached for other users anyway) replace ``h`` itself; the cost is one cheap pointwise op
+# per extra use. In the residual example, the value between attention and MLP (``x + attn``)
+# becomes transient and half of the residual stream is no longer cached.
 """
 
 from __future__ import annotations
@@ -118,13 +118,13 @@ def begin_pass(region: Region, task: int) -> None:
         needed = False
         for o in node.outputs:
             if o is not None and o.reason is None:
-                o.pending += o.packs
-                if o.pending > 0:
+                o.pass_uses += o.saved_refs
+                if o.pass_uses > 0:
                     needed = True
         if needed:
             for i in node.inputs:
                 if i.reason is None:
-                    i.pending += 1
+                    i.pass_uses += 1
                     if bound and i not in last:
                         last[i] = node.index
     state.segment_limit = segment_limit(region, last) if bound else 0
@@ -162,7 +162,7 @@ def _recompute_changed_kept(region: Region) -> None:
                 if not inputs_ok:
                     unavailable.add(o)
             elif _changed(o):
-                if not inputs_ok or o.packs > 0:
+                if not inputs_ok or o.saved_refs > 0:
                     unavailable.add(o)
                     continue
                 unhold(region, o)
@@ -225,7 +225,7 @@ def _mark_transient(region: Region) -> None:
         if (
             h is None
             or h.reason is not None
-            or h.pending < 2
+            or h.pass_uses < 2
             or h.is_view
             or h.has_views
             or h.nbytes < TRANSIENT_MIN_BYTES
@@ -234,17 +234,17 @@ def _mark_transient(region: Region) -> None:
         nbytes = 0
         for i in node.inputs:
             if i.reason is None and not _aliases_kept(region, i):
-                if i.transient or i.is_view or i.pending < 2:
+                if i.transient or i.is_view or i.pass_uses < 2:
                     break
                 nbytes += i.nbytes
         else:
             if nbytes <= h.nbytes:
                 h.transient = True
                 node.transient = True
-                extra = h.pending - 1
+                extra = h.pass_uses - 1
                 for i in node.inputs:
                     if i.reason is None:
-                        i.pending += extra
+                        i.pass_uses += extra
 
 
 def _aliases_kept(region: Region, h: Handle) -> bool:
@@ -277,7 +277,7 @@ def end_pass(region: Region) -> None:
             node.owed = False
         for o in node.outputs:
             if o is not None:
-                o.pending = 0
+                o.pass_uses = 0
                 o.cache = None
                 o.transient = False
-                o.pins = 0
+                o.waiting_readers = 0

@@ -95,14 +95,14 @@ def _release_use(region: Region, state: PassState, h: Handle) -> None:
     A transient value is dropped as soon as no waiting op node needs it, and each of its
     uses is also one use of its producer's recomputed inputs (see Note [Transient values]).
     """
-    h.pending -= 1
+    h.pass_uses -= 1
     if h.transient:
         for i in region.nodes[h.node_index].inputs:
             if i.reason is None:
                 _release_use(region, state, i)
-        if h.pins > 0 and h.pending > 0:
+        if h.waiting_readers > 0 and h.pass_uses > 0:
             return
-    elif h.pending > 0:
+    elif h.pass_uses > 0:
         return
     if h.cache is not None:
         h.cache = None
@@ -114,8 +114,8 @@ def _unpin(state: PassState, node: OpNode) -> None:
     """``node`` ran (or was skipped): its transient inputs are no longer needed for it."""
     for i in node.inputs:
         if i.transient:
-            i.pins -= 1
-            if i.pins == 0 and i.cache is not None:
+            i.waiting_readers -= 1
+            if i.waiting_readers == 0 and i.cache is not None:
                 i.cache = None
                 state.cached_bytes -= i.nbytes
 
@@ -151,7 +151,7 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
             for i in node.inputs:
                 if i.reason is None:
                     if i.transient:
-                        i.pins += 1
+                        i.waiting_readers += 1
                     if i.cache is None:
                         stack.append((i.node_index, False))
     finally:
@@ -223,7 +223,7 @@ def run_node(region: Region, node: OpNode) -> None:
             h.reason is None
             and not h.is_view
             and not h.has_views
-            and h.pending <= 1
+            and h.pass_uses <= 1
             # an unsafe_chunk output aliases the value it was cut from, which may be kept
             and region.nodes[h.node_index].op not in UNANNOTATED_ALIASES
         )
@@ -261,7 +261,7 @@ def run_node(region: Region, node: OpNode) -> None:
     node.owed = False
     bounded = state.segment_limit > 0
     for o, v in zip(node.outputs, outs, strict=True):
-        if o is not None and o.reason is None and o.pending > 0 and o.cache is None:
+        if o is not None and o.reason is None and o.pass_uses > 0 and o.cache is None:
             o.cache = v
             if not o.is_view:
                 state.cached_bytes += o.nbytes

@@ -27,12 +27,12 @@ from ckpt_graph.engine.decisions import to_decision as _to_decision
 from ckpt_graph.engine.graph import Handle, OpNode, version_of
 from ckpt_graph.engine.holding import detached, hold, unhold
 from ckpt_graph.engine.hooks import pack_hook_for, unpack_hook_for_autograd
-from ckpt_graph.engine.mutation import StorageHistory, rebase
-from ckpt_graph.engine.outputs import KEEP as _KEEP
+from ckpt_graph.engine.outputs import KEPT_ON_HOST as _KEPT_ON_HOST
 from ckpt_graph.engine.passes import PassState
 from ckpt_graph.engine.record import Recorder
 from ckpt_graph.engine.release import count_live_uses, lose_use
 from ckpt_graph.engine.replay import REPLAY_GLOBALS, replay_globals
+from ckpt_graph.engine.storage_history import StorageHistory, rebase
 
 __all__ = ["Region", "current_region"]
 
@@ -243,7 +243,7 @@ class Region:
             reason = graph.MUTATED_ALIAS
         else:
             reason = graph.INPUT
-        h = Handle(t, -1, len(self.inputs))
+        h = Handle(t, -1, -1, len(self.inputs))
         self.inputs.append(h)
         self._ids[id(t)] = h
         hold(self, h, t, reason)
@@ -308,9 +308,9 @@ class Region:
         # Per value, not per op node: a tag on one output of a multi-output op (``split``)
         # says nothing about its siblings, which keep the policies' decision.
         self.tagged.add(h)
-        if decision in _KEEP:
+        if decision in _KEPT_ON_HOST:
             if not h.kept:
-                hold(self, h, t, graph.TAG, _KEEP[decision])
+                hold(self, h, t, graph.TAG, _KEPT_ON_HOST[decision])
             else:
                 h.reason = graph.TAG
         elif h.kept:

@@ -3,16 +3,17 @@
 # Note [Releasing kept values]
 # A kept value is needed as long as a saved tensor refers to it, or a saved tensor of a
 # recomputed value whose recomputation would read it. When the region exits, every handle
-# gets ``live`` = its live saved tensors + the op nodes that take it as input and could
+# gets ``live_uses`` = its live saved tensors + the op nodes that take it as input and could
 # still have to run (one sweep from the last node back, as for the pass use counts). Kept
 # values with no live use are released at once. Afterwards, each saved tensor autograd
-# releases (after its backward node ran, or when the graph is dropped) takes one live use
-# of its handle; a recomputed handle that drops to zero makes its producer dead once all
-# its recomputed outputs are, which takes a use of each of the producer's inputs, and so
-# on; a kept handle that drops to zero is released. So a kept block input is freed right
-# after the last backward node that could need it, as autograd frees a saved tensor. An op
-# node that is dead and whose kept outputs have no live use either never runs again: its
-# generator state (Note [RNG replay]) is dropped (a CPU state is 5 KiB per random op).
+# releases (after its backward node ran, or when the graph is dropped) takes one live use of
+# its handle; a recomputed handle that drops to zero makes its producer dead
+# (``OpNode.may_run`` false) once all its recomputed outputs are, which takes a use of each
+# of the producer's inputs, and so on; a kept handle that drops to zero is released. So a
+# kept block input is freed right after the last backward node that could need it, as
+# autograd frees a saved tensor. An op node that is dead and whose kept outputs have no live
+# use either never runs again: its generator state (Note [RNG replay]) is dropped (a CPU
+# state is 5 KiB per random op).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ __all__ = ["count_live_uses", "lose_use"]
 
 
 def count_live_uses(region: Region) -> None:
-    """Set ``Handle.live`` at region exit; release unneeded kept values.
+    """Set ``Handle.live_uses`` at region exit; release unneeded kept values.
 
     See Note [Releasing kept values].
     """
@@ -35,23 +36,23 @@ def count_live_uses(region: Region) -> None:
         needed = False
         for o in node.outputs:
             if o is not None:
-                o.live += o.packs
-                if o.reason is None and o.live > 0:
+                o.live_uses += o.saved_refs
+                if o.reason is None and o.live_uses > 0:
                     needed = True
-        node.live = needed
+        node.may_run = needed
         if needed:
             for i in node.inputs:
-                i.live += 1
+                i.live_uses += 1
         elif node.rng is not None:
             _drop_rng_if_dead(node)
     for h in region.inputs:
-        h.live += h.packs
+        h.live_uses += h.saved_refs
     for h in region.inputs:
-        if h.live == 0:
+        if h.live_uses == 0:
             h.value = None
     for node in region.nodes:
         for o in node.outputs:
-            if o is not None and o.reason is not None and o.live == 0:
+            if o is not None and o.reason is not None and o.live_uses == 0:
                 o.value = None
 
 
@@ -61,8 +62,8 @@ def lose_use(region: Region, h: Handle) -> None:
     stack = [h]
     while stack:
         h = stack.pop()
-        h.live -= 1
-        if h.live > 0:
+        h.live_uses -= 1
+        if h.live_uses > 0:
             continue
         if h.reason is not None:
             h.value = None
@@ -72,11 +73,11 @@ def lose_use(region: Region, h: Handle) -> None:
         if h.node_index < 0:
             continue
         node = nodes[h.node_index]
-        if not node.live or any(
-            o is not None and o.reason is None and o.live > 0 for o in node.outputs
+        if not node.may_run or any(
+            o is not None and o.reason is None and o.live_uses > 0 for o in node.outputs
         ):
             continue
-        node.live = False
+        node.may_run = False
         if node.rng is not None:
             _drop_rng_if_dead(node)
         stack.extend(node.inputs)
@@ -88,5 +89,5 @@ def _drop_rng_if_dead(node: OpNode) -> None:
     A node with a kept output still in use stays able to run: Note [Kept values changed
     after the region] may recompute that output. See Note [Releasing kept values].
     """
-    if not node.live and not any(o is not None and o.live > 0 for o in node.outputs):
+    if not node.may_run and not any(o is not None and o.live_uses > 0 for o in node.outputs):
         node.rng = None

@@ -1,4 +1,5 @@
-"""Replay: run a recorded op again as the forward ran it.
+"""Replay: run a recorded op again as the forward ran it, random ops with the generator
+state captured when they were recorded (``capture_rng``).
 
 # Note [RNG replay]
 # Random ops (``torch.Tag.nondeterministic_seeded``) record the state of their generator
@@ -9,7 +10,7 @@
 # the previous random op captured (the op drew nothing: SDPA without dropout) is shared, not
 # copied; a CPU generator state is 5 KiB, held until the op can no longer run (see Note
 # [Releasing kept values]). On a device whose default generator the engine
-# cannot address (``mutation.capture_rng`` returns ``None``), the outputs of a random op are
+# cannot address (``capture_rng`` returns ``None``), the outputs of a random op are
 # kept for the engine reason ``RANDOM_WITHOUT_REPLAY``, which no policy or tag overrides.
 #
 # Replay context (``_enter_replay``, for ``realize`` and ``realize_again``): no grad
@@ -21,6 +22,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
     from ckpt_graph.engine.region import Region
 
-__all__ = ["REPLAY_GLOBALS", "exact_copy", "replay_globals"]
+__all__ = ["REPLAY_GLOBALS", "capture_rng", "exact_copy", "replay_globals"]
 
 
 def exact_copy(t: torch.Tensor) -> torch.Tensor:
@@ -188,3 +190,43 @@ def _call(node: OpNode, args: list[Any], kwargs: dict[str, Any]) -> Any:
         return op(*args, **kwargs)
     finally:
         gen.set_state(before)
+
+
+def capture_rng(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.Generator, torch.Tensor] | None:
+    """Generator state just before a random op runs. See Note [RNG replay]."""
+    gen = kwargs.get("generator")
+    if gen is None:
+        device = kwargs.get("device")
+        if device is None:
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        if device.type == "cpu":
+            gen = torch.default_generator
+        elif device.type == "cuda":
+            idx = device.index if device.index is not None else torch.cuda.current_device()
+            gen = torch.cuda.default_generators[idx]
+        else:
+            return None  # no replay known for this device: outputs are kept
+    state = gen.get_state()
+    # See Note [RNG replay]: consecutive random ops that left the generator as it was (SDPA
+    # without dropout, dropout(p=0)) share one state tensor instead of holding a copy each.
+    last_gen, last_state = _LAST_RNG
+    if last_gen is not None and last_gen() is gen:
+        last = last_state()
+        if last is not None and _same(last, state):
+            return gen, last
+    _LAST_RNG[:] = [weakref.ref(gen), weakref.ref(state)]
+    return gen, state
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Below every dispatch mode: the caller's own modes (an op counter, a profiler) must not
+    # see the engine's bookkeeping as ops of the program.
+    with torch._C._DisableTorchDispatch():
+        return torch.equal(a, b)
+
+
+# The generator and the state tensor of the last capture, weakly held (a region owns them).
+_LAST_RNG: list[Any] = [None, None]

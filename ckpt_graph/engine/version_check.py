@@ -19,13 +19,13 @@ if TYPE_CHECKING:
 def _where(h: Handle, region: Region) -> str:
     """Which value of the region ``h`` is, for error messages."""
     if h.node_index >= 0:
-        return f"output {h.index} of {region.nodes[h.node_index].info.name} (op #{h.node_index})"
+        return f"output {h.output_index} of {region.nodes[h.node_index].info.name} (op #{h.node_index})"
     if h.reason == graph.MUTATED_ALIAS:
         return (
-            f"value #{h.index} the region took as it was after an in-place op on an alias "
+            f"value #{h.input_index} the region took as it was after an in-place op on an alias "
             "(a snapshot)"
         )
-    return f"input #{h.index} of the region"
+    return f"input #{h.input_index} of the region"
 
 
 def _version_error(h: Handle, region: Region, current: int) -> CkptGraphError:

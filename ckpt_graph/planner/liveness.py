@@ -74,9 +74,9 @@ builds one from a recorded region.
 #    two or more pending uses, not a view and without views, whose producer's recomputed
 #    inputs are views of kept values or else not transient, not views, with a use besides
 #    the producer and no more bytes in total than the value. Each such input gets the
-#    value's pending uses minus one more uses; the value is dropped as soon as no op
-#    waiting in the current realize needs it (pins), and runs again at its next use; each
-#    use of it releases a use of each input.
+#    value's pending uses minus one more uses; the value is dropped as soon as no op waiting
+#    in the current realize needs it (``waiting_readers``), and runs again at its next use;
+#    each use of it releases a use of each input.
 # 8. Bounded cache, as ``realize`` bounds it (Note [Bounded recompute cache]): with
 #    ``SimGraph.cache_limit`` not ``"unbounded"``, the segment size is computed from the
 #    same use counts (``cache_bound.segment_limit``); a bounded pass marks no transient values,
@@ -105,6 +105,7 @@ from collections.abc import Iterable
 
 from ckpt_graph.planner.costs import from_region, kept_ops_of
 from ckpt_graph.planner.liveness_bound import Bound
+from ckpt_graph.planner.liveness_transient import mark_transient
 from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimResult, SimValue
 from ckpt_graph.planner.workspaces import Workspace, measure_workspaces
 
@@ -143,45 +144,9 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             kept[v] = True
     storage = [v.storage for v in values]
     size = [values[s].nbytes if values[s].producer >= 0 else 0 for s in storage]
-    pending = [0] * nv  # use counts of recomputed values (rule 2)
-    live = [0] * nv  # live uses of every value (rule 5)
-    by_step: dict[int, list[int]] = {}
-    for j, v in g.saved:
-        by_step.setdefault(j, []).append(v)
-        live[v] += 1
-        if not kept[v]:
-            pending[v] += 1
-    needed = [False] * n
-    last = [-1] * nv  # last op that will run and reads the value (rule 8)
-    for j in range(n - 1, -1, -1):
-        op = ops[j]
-        if any(not kept[o] and pending[o] > 0 for o in op.outputs):
-            needed[j] = True
-            for i in op.inputs:
-                live[i] += 1
-                if not kept[i]:
-                    pending[i] += 1
-                    if last[i] < 0:
-                        last[i] = j
-    bound = Bound(g, kept, pending, last) if g.cache_limit != "unbounded" else None
-    if bound is not None and bound.limit == 0:
-        bound = None
-    transient = _mark_transient(g, kept, pending) if bound is None else [False] * nv
-    rng_refs = [0] * len(g.rng_bytes)  # rule 9: ops holding each generator state
-    holds = [False] * n
-    for j in range(n):
-        if ops[j].rng >= 0 and (needed[j] or any(live[o] > 0 for o in ops[j].outputs)):
-            holds[j] = True
-            rng_refs[ops[j].rng] += 1
-    rng_level = sum(b for b, k in zip(g.rng_bytes, rng_refs, strict=True) if k)
-    refs: dict[int, int] = {}
+    refs: dict[int, int] = {}  # per storage, the values holding it (rule 3)
     cached = [False] * nv
-    pins = [0] * nv
-    ran = [False] * n
-    runs = [0] * n
-    level = peak = peak_total = cost = count = 0
-    peak_step = step = -1
-    grads, grads_in = g.step_grad_bytes, g.step_grad_in_bytes
+    level = 0
 
     def acquire(v: int) -> None:
         nonlocal level
@@ -201,8 +166,48 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             if k == 0:
                 level -= size[v]
 
+    pass_uses = [0] * nv  # use counts of recomputed values (rule 2): Handle.pass_uses
+    live_uses = [0] * nv  # live uses of every value (rule 5): Handle.live_uses
+    by_step: dict[int, list[int]] = {}
+    for j, v in g.saved:
+        by_step.setdefault(j, []).append(v)
+        live_uses[v] += 1
+        if not kept[v]:
+            pass_uses[v] += 1
+    may_run = [False] * n  # ops that run in the pass (rule 2), then alive (rule 5)
+    last = [-1] * nv  # last op that will run and reads the value (rule 8)
+    for j in range(n - 1, -1, -1):
+        op = ops[j]
+        if any(not kept[o] and pass_uses[o] > 0 for o in op.outputs):
+            may_run[j] = True
+            for i in op.inputs:
+                live_uses[i] += 1
+                if not kept[i]:
+                    pass_uses[i] += 1
+                    if last[i] < 0:
+                        last[i] = j
+    bound = (
+        Bound(g, kept, pass_uses, last, cached, release) if g.cache_limit != "unbounded" else None
+    )
+    if bound is not None and bound.limit == 0:
+        bound = None
+    transient = mark_transient(g, kept, pass_uses) if bound is None else [False] * nv
+    rng_refs = [0] * len(g.rng_bytes)  # rule 9: ops holding each generator state
+    holds = [False] * n
+    for j in range(n):
+        if ops[j].rng >= 0 and (may_run[j] or any(live_uses[o] > 0 for o in ops[j].outputs)):
+            holds[j] = True
+            rng_refs[ops[j].rng] += 1
+    rng_level = sum(b for b, k in zip(g.rng_bytes, rng_refs, strict=True) if k)
+    waiting_readers = [0] * nv  # rule 7: Handle.waiting_readers
+    ran = [False] * n
+    runs = [0] * n
+    peak = peak_total = cost = count = 0
+    peak_step = step = -1
+    grads, grads_in = g.step_grad_bytes, g.step_grad_in_bytes
+
     for v in range(nv):
-        if kept[v] and live[v] > 0:
+        if kept[v] and live_uses[v] > 0:
             acquire(v)
     kept_bytes = level
 
@@ -211,14 +216,14 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
         release(v)
 
     def use(v: int) -> None:
-        pending[v] -= 1
+        pass_uses[v] -= 1
         if transient[v]:  # rule 7: a use of a transient value is a use of its inputs
             for i in ops[values[v].producer].inputs:
                 if not kept[i]:
                     use(i)
-            if pins[v] > 0 and pending[v] > 0:
+            if waiting_readers[v] > 0 and pass_uses[v] > 0:
                 return
-        elif pending[v] > 0:
+        elif pass_uses[v] > 0:
             return
         if cached[v]:
             drop(v)
@@ -243,7 +248,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             acquire(o)
         check(op.run_workspace)
         for o in op.outputs:
-            if not kept[o] and pending[o] > 0:
+            if not kept[o] and pass_uses[o] > 0:
                 cached[o] = True
             else:
                 release(o)
@@ -256,11 +261,9 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
     def unpin(j: int) -> None:
         for i in ops[j].inputs:
             if transient[i]:
-                pins[i] -= 1
-                if pins[i] == 0 and cached[i]:
+                waiting_readers[i] -= 1
+                if waiting_readers[i] == 0 and cached[i]:
                     drop(i)
-
-    owed = [False] * n
 
     def run_bounded(j: int) -> None:  # rule 8, as realize.run_node in a bounded pass
         nonlocal cost, count
@@ -269,13 +272,13 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
         cost += op.cost
         count += 1
         runs[j] += 1
-        owed[j] = False
+        bound.owed[j] = False
         for o in op.outputs:
             acquire(o)
         check(op.run_workspace)
         fresh = []
         for o in op.outputs:
-            if not kept[o] and pending[o] > 0 and not cached[o]:
+            if not kept[o] and pass_uses[o] > 0 and not cached[o]:
                 cached[o] = True
                 fresh.append(o)
             else:
@@ -284,7 +287,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             if o in bound.need:
                 bound.active[o] = None
             else:
-                join(o)
+                bound.join(o)
         for i in op.inputs:
             if kept[i]:
                 continue
@@ -297,75 +300,17 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             if i in bound.active:
                 del bound.active[i]
                 if cached[i] and i not in bound.checkpoints:
-                    join(i)
+                    bound.join(i)
         if (
             bound.closing
             and 2 * bound.segment_bytes >= bound.limit
             and bound.frontier() <= bound.frontier_bytes
         ):
-            close()
-
-    def join(v: int) -> None:
-        assert bound is not None
-        nbytes = values[v].nbytes
-        if bound.view[v]:
-            r = bound.root[v]
-            if kept[r] or values[r].producer < 0 or cached[r] or r in bound.segment_roots:
-                nbytes = 0
-            else:
-                bound.segment_roots.add(r)
-        if bound.closing and bound.segment and bound.segment_bytes + nbytes > bound.limit:
-            close()
-        bound.segment.append(v)
-        bound.segment_bytes += nbytes
-
-    def close() -> None:
-        assert bound is not None
-        bound.checkpoints.update(bound.active)
-        for d in bound.segment:
-            if cached[d]:
-                drop(d)
-                owe(values[d].producer)
-        bound.segment, bound.segment_bytes, bound.segment_roots = [], 0, set()
-
-    def owe(j: int) -> None:
-        stack = [j]
-        while stack:
-            j = stack.pop()
-            if owed[j]:
-                continue
-            owed[j] = True
-            for i in ops[j].inputs:
-                if not kept[i]:
-                    pending[i] += 1
-                    if not cached[i]:
-                        stack.append(values[i].producer)
+            bound.close()
 
     def realize_bounded(v: int) -> None:
         assert bound is not None
-        need = bound.need = {v: 1}
-        todo: set[int] = set()
-        stack = [values[v].producer]
-        while stack:
-            j = stack.pop()
-            if j in todo:
-                continue
-            todo.add(j)
-            for i in ops[j].inputs:
-                if not kept[i]:
-                    need[i] = need.get(i, 0) + 1
-                    if not cached[i]:
-                        stack.append(values[i].producer)
-        order = sorted(todo)
-        held = {
-            storage[o]
-            for j in order
-            for o in ops[j].outputs
-            if not kept[o] and pending[o] > need.get(o, 0)
-        }
-        held_bytes = sum(bound.nbytes(r) for r in held)
-        bound.segment, bound.segment_bytes, bound.segment_roots = [], 0, set()
-        bound.closing = held_bytes > bound.limit
+        order = bound.plan_realize(v)
         for j in order:
             if j == order[-1]:
                 bound.closing = False  # the last segment stays cached
@@ -395,13 +340,13 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             for i in ops[j].inputs:
                 if not kept[i]:
                     if transient[i]:
-                        pins[i] += 1
+                        waiting_readers[i] += 1
                     if not cached[i]:
                         stack.append((values[i].producer, False))
 
     def drop_rng(j: int) -> None:  # rule 9, as release._drop_rng_if_dead
         nonlocal rng_level
-        if holds[j] and not needed[j] and not any(live[o] > 0 for o in ops[j].outputs):
+        if holds[j] and not may_run[j] and not any(live_uses[o] > 0 for o in ops[j].outputs):
             holds[j] = False
             r = ops[j].rng
             rng_refs[r] -= 1
@@ -412,8 +357,8 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
         stack = [v]
         while stack:
             v = stack.pop()
-            live[v] -= 1
-            if live[v] != 0:
+            live_uses[v] -= 1
+            if live_uses[v] != 0:
                 continue
             p = values[v].producer
             if kept[v]:
@@ -421,11 +366,11 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
                 if p >= 0:
                     drop_rng(p)
                 continue
-            if p < 0 or not needed[p]:
+            if p < 0 or not may_run[p]:
                 continue
-            if any(not kept[o] and live[o] > 0 for o in ops[p].outputs):
+            if any(not kept[o] and live_uses[o] > 0 for o in ops[p].outputs):
                 continue
-            needed[p] = False
+            may_run[p] = False
             drop_rng(p)
             stack.extend(ops[p].inputs)
 
@@ -448,48 +393,3 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
     if not g.saved:
         peak, peak_total = kept_bytes, kept_bytes + rng_level
     return SimResult(peak, peak_total, kept_bytes, cost, count, peak_step, tuple(runs))
-
-
-def _mark_transient(g: SimGraph, kept: list[bool], pending: list[int]) -> list[bool]:
-    """Recomputed values run again at each use instead of cached (rule 7).
-
-    Mirrors ``passes._mark_transient`` (Note [Transient values]); adds the extra uses of
-    the producers' inputs to ``pending``.
-    """
-    values, ops, least = g.values, g.ops, g.transient_min_bytes
-    transient = [False] * len(values)
-    if not any(op.pointwise for op in ops):
-        return transient
-    view = [v.storage != k if v.is_view is None else v.is_view for k, v in enumerate(values)]
-    aliased = [False] * len(values)
-    for k, val in enumerate(values):
-        if view[k]:
-            aliased[val.storage] = True
-
-    def aliases_kept(v: int) -> bool:  # a view of a kept value, through views only
-        while view[v] and not kept[v]:
-            p = values[v].producer
-            if p < 0 or not ops[p].inputs:
-                return False
-            v = ops[p].inputs[0]
-        return kept[v]
-
-    for op in ops:
-        if not op.pointwise or len(op.outputs) != 1:
-            continue
-        h = op.outputs[0]
-        if kept[h] or pending[h] < 2 or view[h] or aliased[h] or values[h].nbytes < least:
-            continue
-        nbytes = 0
-        for i in op.inputs:
-            if not kept[i] and not aliases_kept(i):
-                if transient[i] or view[i] or pending[i] < 2:
-                    break
-                nbytes += values[i].nbytes
-        else:
-            if nbytes <= values[h].nbytes:
-                transient[h] = True
-                for i in op.inputs:
-                    if not kept[i]:
-                        pending[i] += pending[h] - 1
-    return transient

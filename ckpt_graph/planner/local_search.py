@@ -24,19 +24,19 @@ _TRY = 8
 
 def _run_cost(g: SimGraph, kept: Sequence[bool]) -> int:
     """Recompute cost of a plan given per-value kept flags (the simulator's run sweep)."""
-    pending = [0] * len(g.values)
+    pass_uses = [0] * len(g.values)
     for _, v in g.saved:
         if not kept[v]:
-            pending[v] += 1
+            pass_uses[v] += 1
     cost = 0
     for j in range(len(g.ops) - 1, -1, -1):
         op = g.ops[j]
         for o in op.outputs:
-            if not kept[o] and pending[o] > 0:
+            if not kept[o] and pass_uses[o] > 0:
                 cost += op.cost
                 for i in op.inputs:
                     if not kept[i]:
-                        pending[i] += 1
+                        pass_uses[i] += 1
                 break
     return cost
 

@@ -47,7 +47,7 @@ def _shape(region: Any) -> list[tuple[Any, ...]]:
 
     def arg(a: Any) -> Any:
         if isinstance(a, graph.Handle):
-            return ("h", a.node_index, a.index)
+            return ("h", a.node_index, a.output_index, a.input_index)
         if isinstance(a, (list, tuple)):
             return [arg(e) for e in a]
         return a

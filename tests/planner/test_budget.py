@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import ckpt_graph as cg
-from ckpt_graph.compare.zoo import GPT
+from ckpt_graph.compare.architectures import GPT
 from ckpt_graph.memory import measure
 from ckpt_graph.planner.liveness import (
     SimGraph,

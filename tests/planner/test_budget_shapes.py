@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckpt_graph as cg
-from ckpt_graph.compare.zoo import GPT
+from ckpt_graph.compare.architectures import GPT
 from ckpt_graph.memory import measure
 from ckpt_graph.planner import memory_budget as memory_budget_module
 from ckpt_graph.planner import step_budget

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckpt_graph as cg
-from ckpt_graph.compare.zoo import GPT
+from ckpt_graph.compare.architectures import GPT
 from ckpt_graph.integrations.wrap import unwrap, wrap
 from ckpt_graph.memory import measure
 from ckpt_graph.planner.liveness import SimResult

@@ -12,7 +12,8 @@ import torch
 from models import make_model, save_matmuls
 
 import ckpt_graph as cg
-from ckpt_graph.compare.zoo import GPT, build_workload
+from ckpt_graph.compare.architectures import GPT
+from ckpt_graph.compare.zoo import build_workload
 from ckpt_graph.memory import measure, measure_with_result
 from ckpt_graph.planner import workspaces as _liveness_workspaces
 from ckpt_graph.planner.costs import grad_bytes

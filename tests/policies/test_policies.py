@@ -547,7 +547,7 @@ def _is_matmul(op: Any) -> bool:
 def _kept(region: Any, reasons: tuple[str, ...] = ("policy", "tag")) -> set[tuple[int, int]]:
     """(node index, output index) of the values the region kept by policy or tag."""
     return {
-        (node.index, h.index)
+        (node.index, h.output_index)
         for node in region.nodes
         for h in node.outputs
         if h is not None and h.reason in reasons
@@ -556,7 +556,7 @@ def _kept(region: Any, reasons: tuple[str, ...] = ("policy", "tag")) -> set[tupl
 
 def _outputs_where(region: Any, pred: Any) -> set[tuple[int, int]]:
     return {
-        (node.index, h.index)
+        (node.index, h.output_index)
         for node in region.nodes
         for h in node.outputs
         if h is not None and pred(node)
@@ -850,10 +850,10 @@ def _graph_facts(region: Any) -> list[tuple[Any, ...]]:
         outs = tuple(
             None
             if h is None
-            else (h.reason, tuple(h.shape), h.is_view, h.has_views, h.uses, h.packs)
+            else (h.reason, tuple(h.shape), h.is_view, h.has_views, h.forward_uses, h.saved_refs)
             for h in n.outputs
         )
-        ins = tuple((h.node_index, h.index) for h in n.inputs)
+        ins = tuple((h.node_index, h.output_index, h.input_index) for h in n.inputs)
         facts.append((n.info.name, n.decision, n.decided_by, n.module_path, ins, outs))
     return facts
 
