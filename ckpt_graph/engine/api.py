@@ -191,7 +191,11 @@ def checkpoint(
         >>> h = ckpt_graph.checkpoint(block, h)  # one region per block
         >>> h = ckpt_graph.checkpoint(block, h, use_reentrant=False)  # torch's call, unchanged
     """
-    del use_reentrant, early_stop, preserve_rng_state  # See Note [checkpoint as a drop-in ...]
+    del (
+        use_reentrant,
+        early_stop,
+        preserve_rng_state,
+    )  # See Note [checkpoint as a drop-in for torch's]
     if determinism_check not in ("default", "none"):
         raise CkptGraphError(
             f"ckpt_graph: checkpoint(determinism_check={determinism_check!r}) is not a known "

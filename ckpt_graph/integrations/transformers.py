@@ -13,6 +13,30 @@
 # transformers' ``enable_input_require_grads`` hook. ``transformers`` is imported lazily.
 # Under torch.compile the call goes through a dynamo-disabled function (one graph break per
 # layer, the layer runs eagerly in its region, with a warning), as for ``ckpt_graph.wrap``:
+# see Note [Wrapped modules under torch.compile] in ckpt_graph/integrations/wrap.py.
+
+# Note [Surviving gradient_checkpointing_enable]
+# ``Trainer(args=TrainingArguments(gradient_checkpointing=True))`` calls the model's public
+# ``activation_checkpointing_enable(kwargs, every_n_layers, offload)`` (transformers 5; older
+# versions ``gradient_checkpointing_enable(gradient_checkpointing_kwargs)``), which installs
+# ``torch.utils.checkpoint`` and so would silently replace ckpt_graph. ``enable`` therefore
+# binds both public methods on the model instance to ``_enable_from_hf``:
+#   1. transformers' ``activation_checkpointing_enable`` treats an instance attribute
+#      ``gradient_checkpointing_enable`` as an override and calls it; binding both covers the
+#      5.x path, the deprecated one, and code that calls either directly.
+#   2. The kwargs dict (``gradient_checkpointing_kwargs`` / ``activation_checkpointing_kwargs``)
+#      may carry ``policy`` (default: the policy given to ``enable``); the other keys are
+#      torch's checkpoint keywords, which ``ckpt_graph.checkpoint`` accepts
+#      (see Note [checkpoint as a drop-in for torch's] in ckpt_graph/engine/api.py). ``offload=True``
+#      raises: offloading is a policy decision (``policies.offload``).
+#   3. The bindings are bound methods in the instance ``__dict__``: ``copy.deepcopy`` rebinds
+#      them to the copy; ``disable`` removes them. ``activation_checkpointing_disable`` turns
+#      checkpointing off and keeps the bindings: a later enable installs ckpt_graph again.
+#   4. Anything that sets ``_gradient_checkpointing_func`` another way (a direct
+#      ``_set_gradient_checkpointing`` call, another library) is not seen when it happens:
+#      ``check(model)`` and ``CheckpointCallback`` (a ``TrainerCallback``, at the start of
+#      training) warn when a model ``enable`` was called on checkpoints with a foreign function.
+# The test tests/integration/test_trainer.py pins the transformers behaviour relied on here.
 """
 
 from __future__ import annotations

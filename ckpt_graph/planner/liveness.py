@@ -2,7 +2,7 @@
 
 The simulator replays, without running any op, what the engine does in backward for a given
 set of kept op outputs: the order in which autograd unpacks saved tensors, the use counts of
-``realize.py`` (see Note [Use counts and freeing]), the values cached while they still have a
+``passes.py`` (see Note [Use counts and freeing]), the values cached while they still have a
 pending use, transient values (Note [Transient values]), kept values released as autograd
 frees saved tensors (Note [Releasing kept values]), the gradient buffers alive at each step
 and the temporaries of op formulas. It works on a small framework-free graph
