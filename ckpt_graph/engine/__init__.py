@@ -1,6 +1,7 @@
 """The engine: record a region's aten ops, pack saved tensors as handles, realize them in backward.
 
-Pipeline, one module per stage: ``graph`` (op nodes, handles), ``record`` (the dispatch mode),
+Pipeline, one module per stage: ``graph`` (op nodes, handles), ``op_info`` (schema facts),
+``record`` (the dispatch mode),
 ``mutation`` (in-place writes, views), ``decisions`` (the policy protocol the
 engine asks: context, decisions, stack resolution), ``hooks`` (pack/unpack), ``realize``
 (recompute, cache, free), ``region`` and ``api`` (the user-facing context manager). The

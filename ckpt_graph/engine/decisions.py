@@ -34,7 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ckpt_graph._errors import CkptGraphError, CkptGraphTypeError, CkptGraphValueError
 
 if TYPE_CHECKING:
-    from ckpt_graph.engine.graph import OpInfo
+    from ckpt_graph.engine.op_info import OpInfo
     from ckpt_graph.engine.region import Region
 
 __all__ = [

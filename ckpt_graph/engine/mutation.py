@@ -70,8 +70,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckpt_graph.engine.graph import SILENT_WRITE, Handle, OpInfo, arg_at
+from ckpt_graph.engine.graph import SILENT_WRITE, Handle, arg_at
 from ckpt_graph.engine.holding import hold_copy, index_storage
+from ckpt_graph.engine.op_info import OpInfo
 from ckpt_graph.engine.overlap import overlap
 from ckpt_graph.engine.replay import exact_copy
 from ckpt_graph.engine.storage_history import alias_source, note_write

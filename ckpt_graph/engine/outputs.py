@@ -15,9 +15,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ckpt_graph.engine import graph
 from ckpt_graph.engine.debug import checksums
 from ckpt_graph.engine.decisions import resolve
-from ckpt_graph.engine.graph import Handle, OpInfo, OpNode
+from ckpt_graph.engine.graph import Handle, OpNode
 from ckpt_graph.engine.holding import hold, hold_new_version
 from ckpt_graph.engine.mutation import mark_written
+from ckpt_graph.engine.op_info import OpInfo
 from ckpt_graph.engine.storage_history import after_write
 
 if TYPE_CHECKING:

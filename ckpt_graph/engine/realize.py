@@ -24,7 +24,8 @@ import torch
 from ckpt_graph._errors import CkptGraphError
 from ckpt_graph.engine.cache_bound import close_segment, frontier_bytes, join_segment, plan_realize
 from ckpt_graph.engine.debug import check_replay
-from ckpt_graph.engine.graph import INPUT, UNANNOTATED_ALIASES, Handle, arg_at, version_of
+from ckpt_graph.engine.graph import INPUT, Handle, arg_at, version_of
+from ckpt_graph.engine.op_info import UNANNOTATED_ALIASES
 from ckpt_graph.engine.passes import PassState, begin_pass, end_pass
 from ckpt_graph.engine.replay import _call, _enter_replay, _exit_replay, _fresh_alias, exact_copy
 from ckpt_graph.engine.second_read import realize_again

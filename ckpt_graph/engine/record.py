@@ -13,8 +13,9 @@ from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ckpt_graph.engine.graph import _OP_INFO, Handle, OpInfo, op_info
+from ckpt_graph.engine.graph import Handle
 from ckpt_graph.engine.mutation import before_write
+from ckpt_graph.engine.op_info import _OP_INFO, OpInfo, op_info
 from ckpt_graph.engine.outputs import decide, record_node
 from ckpt_graph.engine.replay import capture_rng
 from ckpt_graph.engine.write_prep import keep_silently_written, restore, write_state

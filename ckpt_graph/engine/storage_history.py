@@ -14,7 +14,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ckpt_graph.engine.graph import UNANNOTATED_ALIASES, Handle, OpInfo, OpNode, op_info
+from ckpt_graph.engine.graph import Handle, OpNode
+from ckpt_graph.engine.op_info import UNANNOTATED_ALIASES, OpInfo, op_info
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckpt_graph.engine import graph
-from ckpt_graph.engine.graph import Handle, OpInfo, arg_at
+from ckpt_graph.engine.graph import Handle, arg_at
 from ckpt_graph.engine.holding import hold
+from ckpt_graph.engine.op_info import OpInfo
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region

@@ -18,7 +18,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ckpt_graph.engine import passes
-from ckpt_graph.engine.graph import INPLACE_ON_KEPT, UNANNOTATED_ALIASES
+from ckpt_graph.engine.graph import INPLACE_ON_KEPT
+from ckpt_graph.engine.op_info import UNANNOTATED_ALIASES
 from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimValue
 from ckpt_graph.planner.workspaces import _ZERO, Workspace
 
@@ -31,7 +32,7 @@ __all__ = ["from_region", "grad_bytes", "kept_ops_of", "step_grads", "workspace_
 # ``_unsafe_view`` (what ``matmul`` and ``linear`` on 3-d inputs return: ``bmm`` / ``mm``
 # reshaped), ``unsafe_split`` and ``unsafe_chunk`` return aliases of their first input that
 # the engine does not mark as views (each output has a version counter of its own; see
-# ``engine.graph.UNANNOTATED_ALIASES``). Their outputs share the input's storage here, as
+# ``engine.op_info.UNANNOTATED_ALIASES``). Their outputs share the input's storage here, as
 # they do in memory, and cost nothing to run again. Before, each was a candidate with a
 # storage of its own and a recompute cost of its bytes moved: keeping a ``bmm`` output and
 # its reshape counted the bytes twice, and recomputing the reshape from a kept ``bmm`` cost

@@ -447,7 +447,7 @@ def test_default_device_changed_before_backward() -> None:
 
 
 def test_factory_options_from_the_schema() -> None:
-    from ckpt_graph.engine.graph import op_info
+    from ckpt_graph.engine.op_info import op_info
 
     aten = torch.ops.aten
     for op in (aten.rand.default, aten.full.default, aten.arange.start, aten.empty.memory_format):
