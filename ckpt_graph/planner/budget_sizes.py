@@ -1,4 +1,4 @@
-"""Plans applied across sizes: matching a region to a plan by op structure.
+"""Matching a region to a plan, op by op: cheaply, and across sizes.
 
 # Note [Plans across sizes]
 # Variable-length batches change every shape of a step but not its ops. Planning such a
@@ -55,6 +55,24 @@
 # Known limitations: steps of several regions are not refined (their menus are the smaller
 # size's entries, simulated); a new largest size whose warm start cannot fit the budget is
 # planned from scratch (so, below what the sizes can reach, every new largest size is).
+#
+# Note [Following a plan]
+# A planned step asks the policy about every op, so following a plan must cost little per
+# op (it was the largest part of a planned step's forward on small models):
+# 1. Per op the policy records the op's signature (name and output shapes), its position
+#    and its answer; nothing else while a plan matches.
+# 2. Recompute costs are not measured in the forward. When a block's graph is planned, they
+#    are computed from its recorded op nodes (``cost_model.recorded_costs``: the FLOP
+#    formulas applied to shape-only stand-ins of the op's tensors, bytes from the handles)
+#    for the ops the policy answered. Only the heuristic reads ``ctx.flops``, for the op it
+#    decides.
+# 3. Nothing of the forward's tensors is read for it: the same costs come out whether the
+#    graph is planned at the block's exit or later.
+# 4. While the first exact plan matches op by op, ``match`` answers from it alone. The other
+#    plans (exact, or of the same structure) and the element count of rule 3 of Note [Plans
+#    across sizes] are brought up to date (``catch_up``) only when that plan stops
+#    matching, or the block exits before its end: the same lists as filtering op by op,
+#    computed once. A block that matched it to the end uses it, as filtering would.
 """
 
 from __future__ import annotations

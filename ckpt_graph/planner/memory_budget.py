@@ -61,24 +61,6 @@
 #    value can make the engine record one (torch's ``make_variable`` dispatches a detach
 #    after a kept factory op returns), which would shift positions
 #    between a step decided by the heuristic and one decided by the plan.
-#
-# Note [Following a plan]
-# A planned step asks the policy about every op, so following a plan must cost little per
-# op (it was the largest part of a planned step's forward on small models):
-# 1. Per op the policy records the op's signature (name and output shapes), its position
-#    and its answer; nothing else while a plan matches.
-# 2. Recompute costs are not measured in the forward. When a block's graph is planned, they
-#    are computed from its recorded op nodes (``cost_model.recorded_costs``: the FLOP
-#    formulas applied to shape-only stand-ins of the op's tensors, bytes from the handles)
-#    for the ops the policy answered. Only the heuristic reads ``ctx.flops``, for the op it
-#    decides.
-# 3. Nothing of the forward's tensors is read for it: the same costs come out whether the
-#    graph is planned at the block's exit or later.
-# 4. While the first exact plan matches op by op, ``match`` answers from it alone. The other
-#    plans (exact, or of the same structure) and the element count of rule 3 of Note [Plans
-#    across sizes] are brought up to date (``catch_up``) only when that plan stops
-#    matching, or the block exits before its end: the same lists as filtering op by op,
-#    computed once. A block that matched it to the end uses it, as filtering would.
 """
 
 from __future__ import annotations
