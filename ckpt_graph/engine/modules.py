@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,26 +73,29 @@ _installed: list[RemovableHandle] = []
 _users = 0
 
 
-def _pre_hook(module: torch.nn.Module, args: Any) -> None:
-    from ckpt_graph.engine.region import current_region
+# ``region.current_region``, given by the first ``install_hooks`` (region.py imports this
+# module, so the hooks cannot import it at module level, and an import per call costs).
+_current_region: Callable[[], Any] = lambda: None  # noqa: E731
 
-    region = current_region()
+
+def _pre_hook(module: torch.nn.Module, args: Any) -> None:
+    region = _current_region()
     if region is not None:
         region._modules.push(module)
 
 
 def _post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-    from ckpt_graph.engine.region import current_region
-
-    region = current_region()
+    region = _current_region()
     if region is not None:
         region._modules.pop(module)
 
 
-def install_hooks() -> None:
-    """Install the global module hooks (reference counted)."""
-    global _users
+def install_hooks(current_region: Callable[[], Any]) -> None:
+    """Install the global module hooks (reference counted); ``current_region`` gives the
+    region open in the calling thread."""
+    global _users, _current_region
     with _lock:
+        _current_region = current_region
         _users += 1
         if _users == 1:
             _installed.append(_module.register_module_forward_pre_hook(_pre_hook))

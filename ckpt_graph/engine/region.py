@@ -124,7 +124,7 @@ class Region:
         with ExitStack() as exits:  # undone in reverse order, also if a step raises
             _tls.region = self
             exits.callback(setattr, _tls, "region", None)
-            _modules.install_hooks()
+            _modules.install_hooks(current_region)
             exits.callback(_modules.uninstall_hooks)
             exits.enter_context(torch.autograd.graph.saved_tensors_hooks(*self._hook_fns))
             exits.enter_context(Recorder(self))
