@@ -432,6 +432,36 @@ def test_default_dtype_changed_before_backward(
     _assert_same([x.grad], want)  # type: ignore[list-item]
 
 
+def _promoting_forward(x: torch.Tensor) -> torch.Tensor:
+    """Ops on integers whose floating-point result takes the default dtype."""
+    idx = torch.arange(x.shape[0])
+    r = idx * 0.1 + idx / 3 + idx.sigmoid() + torch.true_divide(idx, torch.tensor(7))
+    return (x * r).sin().sum() + (x * idx.sqrt()).cos().sum()
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", policies.save_matmuls()])
+def test_default_dtype_changed_before_backward_for_integer_promotions(policy: Any) -> None:
+    x = torch.randn(7, dtype=torch.float32, requires_grad=True)
+    torch.set_default_dtype(torch.float32)  # the conftest fixture restores it
+    want = _grads(lambda: _promoting_forward(x), [x])
+    with cg.save_recompute_policy(policy):
+        y = _promoting_forward(x)
+    torch.set_default_dtype(torch.float64)  # idx * 0.1 replayed as float64 values
+    y.backward()
+    _assert_same([x.grad], want)  # type: ignore[list-item]
+
+
+def test_default_dtype_changed_inside_region_raises() -> None:
+    x = torch.randn(4, requires_grad=True)
+    with (
+        pytest.raises(CkptGraphError, match=r"torch.set_default_dtype changed inside the region"),
+        cg.save_recompute_policy("recompute_all"),
+    ):
+        y = x.sin()
+        torch.set_default_dtype(torch.float64)  # the conftest fixture restores it
+        y = y.cos()
+
+
 def test_default_device_changed_before_backward() -> None:
     x = torch.randn(7, requires_grad=True)
     want = _grads(lambda: _factory_forward(x), [x])
