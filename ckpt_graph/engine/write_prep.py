@@ -22,8 +22,9 @@ __all__ = ["keep_silently_written", "restore", "write_state"]
 
 
 # Note [Silent writes]
-# Some writes bump no version counter (``OpInfo.silent_writes``): CPU ``native_batch_norm``
-# updating running statistics, ``rrelu_with_noise`` filling its noise argument. Autograd
+# Some writes bump no version counter (``OpInfo.silent_args``): CPU ``native_batch_norm``
+# updating running statistics, ``rrelu_with_noise`` (and ``rrelu_with_noise_``, whose
+# ``self`` is written as usual) filling its noise argument. Autograd
 # saves ``noise`` before the op runs, and eager's backward reads whatever the tensor holds
 # then: the values the op wrote. A recomputed handle of the written argument would give
 # the values before the write (``empty_like``'s garbage), so the written argument is kept
@@ -42,7 +43,7 @@ def keep_silently_written(
     h_kwargs: dict[str, Any],
 ) -> None:
     """Keep recomputed arguments a silent write changes. See Note [Silent writes]."""
-    for w in info.writes:
+    for w in info.silent_args:
         t = arg_at(args, kwargs, w)
         h = arg_at(h_args, h_kwargs, w)
         if not isinstance(t, torch.Tensor) or not isinstance(h, Handle) or h.node_index < 0:

@@ -384,6 +384,41 @@ def test_rrelu_training_gradients(policy: Any, retain: bool) -> None:
         _assert_same([p.grad for p in params], want)  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("policy", ["recompute_all", "must_save_all", policies.save_matmuls()])
+@pytest.mark.parametrize("retain", [False, True])
+@pytest.mark.parametrize("act", ["module", "functional"])
+def test_inplace_rrelu_training_gradients(policy: Any, retain: bool, act: str) -> None:
+    # rrelu_with_noise_ writes self (versioned) and its noise (unversioned): the noise was
+    # treated as a versioned write, and backward raised a version error on empty_like's
+    # output.
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    rrelu: Callable[[torch.Tensor], torch.Tensor] = (
+        nn.RReLU(inplace=True).train()
+        if act == "module"
+        else lambda t: nn.functional.rrelu_(t, training=True)
+    )
+    x = torch.randn(4, 8, requires_grad=True)
+    params = [x, *lin.parameters()]
+
+    def fwd() -> torch.Tensor:
+        h = rrelu(lin(x) * 2)
+        return (rrelu(h.sin()) * h.cos()).sum()
+
+    want = _grads(fwd, params, seed=3)
+    torch.manual_seed(3)
+    with cg.save_recompute_policy(policy):
+        y = fwd()
+    torch.manual_seed(4)
+    y.backward(retain_graph=retain)
+    _assert_same([p.grad for p in params], want)  # type: ignore[misc]
+    if retain:
+        for p in params:
+            p.grad = None
+        y.backward()
+        _assert_same([p.grad for p in params], want)  # type: ignore[misc]
+
+
 def test_rrelu_noise_write_bumps_no_version() -> None:
     # graph._UNVERSIONED_WRITES relies on it: eager's backward reads the noise written by
     # the op through a saved tensor taken before the op (see Note [Silent writes]).
