@@ -65,7 +65,7 @@ def keep_silently_written(
 # raises (``restore``), and nothing is recorded. The storage index
 # is rebuilt at the next write. Without this, a saved tensor of the base raised an error
 # about `.data` in backward.
-_Undo = list[tuple[Handle, bool, Any, int, Any, graph.KeptReason | None]]
+_Undo = list[tuple[Handle, bool, int, Any, int, Any, graph.KeptReason | None]]
 
 
 def write_state(
@@ -102,11 +102,14 @@ def write_state(
             ]
         for k in entries:
             touched[id(k)] = k
-    return [(h, h.superseded, h.value, h.version, h.ref, h.reason) for h in touched.values()]
+    return [
+        (h, h.superseded, h.writes, h.value, h.version, h.ref, h.reason) for h in touched.values()
+    ]
 
 
 def restore(region: Region, undo: _Undo) -> None:
     """Undo ``before_write`` for an op that raised. See Note [Failed in-place ops]."""
-    for h, superseded, value, version, ref, reason in undo:
-        h.superseded, h.value, h.version, h.ref, h.reason = superseded, value, version, ref, reason
+    for h, superseded, writes, value, version, ref, reason in undo:
+        h.superseded, h.writes, h.value, h.version = superseded, writes, value, version
+        h.ref, h.reason = ref, reason
     region._by_storage = None

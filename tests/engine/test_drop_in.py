@@ -175,6 +175,25 @@ def test_failed_inplace_op_changes_nothing(policy: Any, first_write: bool) -> No
     _assert_same(got, want)
 
 
+@pytest.mark.parametrize("policy", ["recompute_all", policies.save_matmuls()])
+def test_failed_inplace_op_keeps_saved_temporary_views_valid(policy: Any) -> None:
+    # The undo restored the base's `superseded` flag but not its count of writes, which a
+    # saved temporary view is checked against: backward raised a version error.
+    x = torch.randn(4, 3, requires_grad=True)
+
+    def fwd() -> torch.Tensor:
+        y = x * 2
+        z = y[1].sin()  # saves the temporary view y[1]
+        with pytest.raises(RuntimeError, match="must match the size"):
+            y[0:2].add_(torch.ones(5))
+        return z.sum() + y.sum()
+
+    want = _grads(fwd, [x])
+    with cg.save_recompute_policy(policy):
+        got = _grads(fwd, [x])
+    _assert_same(got, want)
+
+
 def test_failed_inplace_op_then_real_write_still_raises() -> None:
     # After the undo, a successful write of the saved value still raises as eager does.
     x = torch.randn(4, requires_grad=True)
