@@ -14,6 +14,7 @@ import torch
 from ckpt_graph.engine import graph
 from ckpt_graph.engine.graph import Handle, OpInfo, arg_at
 from ckpt_graph.engine.holding import hold
+from ckpt_graph.engine.mutation import _alias_source
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
@@ -85,9 +86,16 @@ def write_state(
         if not isinstance(t, torch.Tensor) or not isinstance(h, Handle):
             continue
         touched[id(h)] = h
-        while h.is_view and h.node_index >= 0 and region.nodes[h.node_index].inputs:
-            h = region.nodes[h.node_index].inputs[0]
-            touched[id(h)] = h
+        # What ``supersede_view_bases`` changes: the view's base and the value an
+        # ``unsafe_chunk`` output was cut from. Not the whole chain of views back to it,
+        # which grows with every write through a view of the last write's result (a buffer
+        # filled step by step): walking it made each write cost the number of writes before.
+        b = h.base
+        if b is not None:
+            touched[id(b)] = b
+        src = _alias_source(region, b or h)
+        if src is not None:
+            touched[id(src)] = src
         key = t.untyped_storage().data_ptr()
         if by_storage is not None:
             entries: Any = by_storage.get(key, ())
