@@ -137,6 +137,45 @@ def test_failed_on_region_enter_in_nested_block_leaves_nothing_behind(outer: Any
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+class _CountsEvents:
+    """A policy that abstains and counts its region events."""
+
+    def __init__(self) -> None:
+        self.entered = 0
+        self.exited = 0
+
+    def __call__(self, ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def on_region_enter(self, region: cg.Region) -> None:
+        self.entered += 1
+
+    def on_region_exit(self, region: cg.Region) -> None:
+        self.exited += 1
+
+
+@pytest.mark.parametrize("combinator", [policies.any_save, policies.first_answer])
+@pytest.mark.parametrize("nested", [True, False])
+def test_combinator_member_failing_on_region_enter_exits_the_members_that_entered(
+    combinator: Any, nested: bool
+) -> None:
+    # The members before the failing one had entered (save_module_outputs installs global
+    # module hooks there): they stayed installed and tagged tensors outside any region.
+    counts = _CountsEvents()
+    policy = combinator(counts, policies.save_module_outputs(nn.Linear), _FailsOnEnter())
+    block = cg.save_recompute_policy(policy)
+    if nested:
+        with cg.save_recompute_policy("recompute_all") as region:
+            with pytest.raises(ValueError, match="cannot start here"), block:
+                raise AssertionError("the block must not run")
+            assert len(region.policies) == 1
+    else:
+        with pytest.raises(ValueError, match="cannot start here"), block:
+            raise AssertionError("the block must not run")
+    assert (counts.entered, counts.exited) == (1, 1)
+    nn.Linear(2, 2)(torch.randn(3, 2))  # no hook of the policy left: runs outside a region
+
+
 def test_failed_on_region_enter_at_top_level_closes_the_region() -> None:
     with (
         pytest.raises(ValueError, match="cannot start here"),
