@@ -229,6 +229,15 @@ def _policy_answers(answer: Any) -> None:
         torch.randn(2, requires_grad=True).exp()
 
 
+def _policy_answers_in_operator(answer: Any) -> None:
+    def bad(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return answer
+
+    x = torch.randn(2, requires_grad=True)
+    with cg.save_recompute_policy(bad):
+        x * 2  # torch turns a TypeError raised under an operator into NotImplemented
+
+
 def _explain(arg: Any) -> None:
     with cg.save_recompute_policy() as region:
         torch.randn(2, requires_grad=True).exp()
@@ -270,7 +279,13 @@ BAD_CALLS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("policy name", lambda: cg.save_recompute_policy("save_all"), ValueError, "unknown policy"),
     ("policy type", lambda: cg.save_recompute_policy(3), TypeError, "a policy must be a name"),
     ("enter twice", _enter_twice, RuntimeError, "cannot be entered twice"),
-    ("policy answer", lambda: _policy_answers(3), TypeError, r"returned 3 for op aten\.randn"),
+    ("policy answer", lambda: _policy_answers(3), RuntimeError, r"returned 3 for op aten\.randn"),
+    (
+        "policy answer, operator",
+        lambda: _policy_answers_in_operator("save"),
+        RuntimeError,
+        r"returned 'save' for op aten\.mul\.Tensor",
+    ),
     ("tag tensor", lambda: cg.tag_with_policy(3.0, True), TypeError, "`tensor`"),
     ("budget type", lambda: policies.memory_budget([1]), TypeError, "memory_budget got list"),
     ("budget fraction", lambda: policies.memory_budget(1.5), ValueError, r"in \(0, 1\]"),
