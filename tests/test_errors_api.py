@@ -52,6 +52,17 @@ def test_data_write_on_parameter_between_forward_and_backward_raises_under_debug
         loss.backward()
 
 
+def test_data_write_that_only_moves_values_raises_under_debug() -> None:
+    # A permutation keeps the sum and the sum of squares, and elementwise ops keep it
+    # through the recomputed values: the checksums compared only those (issue 14 re-check).
+    w = torch.randn(8, requires_grad=True)
+    with cg.save_recompute_policy("recompute_all", debug=True):
+        loss = (w * 2).exp().sum()  # exp saves its result, recomputed from w
+    w.data.copy_(w.data.flip(0))
+    with pytest.raises(CkptGraphError, match=r"region input #0.*`\.data`"):
+        loss.backward()
+
+
 def test_data_write_on_kept_value_raises_under_debug() -> None:
     torch.manual_seed(0)
     x = torch.randn(3, 4, requires_grad=True)
