@@ -419,6 +419,28 @@ def test_write_after_region_to_value_eager_never_saved(fn: Callable[..., Any], p
     check(fn, [leaf(4, 4)], policy, scoped=True)
 
 
+@pytest.mark.parametrize("policy", ["recompute_all", policies.save_matmuls()])
+def test_saved_view_of_region_input_written_in_the_region_raises_the_version_error(
+    policy: Any,
+) -> None:
+    # The input was copied before the write (a recorded write, with a version bump); the
+    # version check read the copy's version, unchanged, and blamed `.data`.
+    w = leaf(4, 4)
+    x = leaf(4, 4, grad=False, seed=1)
+
+    def fn(scope: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        with scope:
+            y = (x[1:3] @ w).exp()  # saves the temporary view x[1:3]
+            x.add_(1)  # bumps the counter x[1:3] shared
+        return y, x
+
+    assert "modified by an inplace operation" in _eager_error(fn)
+    x.sub_(1)
+    with pytest.raises(cg.CkptGraphError, match=r"modified by an inplace operation"):
+        y, _ = fn(cg.save_recompute_policy(policy))
+        y.sum().backward()
+
+
 def test_write_after_region_to_saved_kept_value_still_raises() -> None:
     x = leaf(4, 4)
     with cg.save_recompute_policy(_keep_sin):
