@@ -52,6 +52,17 @@ def test_data_write_on_parameter_between_forward_and_backward_raises_under_debug
         loss.backward()
 
 
+def test_data_write_that_only_moves_values_raises_under_debug() -> None:
+    # A permutation keeps the sum and the sum of squares, and elementwise ops keep it
+    # through the recomputed values: the checksums compared only those (issue 14 re-check).
+    w = torch.randn(8, requires_grad=True)
+    with cg.save_recompute_policy("recompute_all", debug=True):
+        loss = (w * 2).exp().sum()  # exp saves its result, recomputed from w
+    w.data.copy_(w.data.flip(0))
+    with pytest.raises(CkptGraphError, match=r"region input #0.*`\.data`"):
+        loss.backward()
+
+
 def test_data_write_on_kept_value_raises_under_debug() -> None:
     torch.manual_seed(0)
     x = torch.randn(3, 4, requires_grad=True)
@@ -137,6 +148,45 @@ def test_failed_on_region_enter_in_nested_block_leaves_nothing_behind(outer: Any
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+class _CountsEvents:
+    """A policy that abstains and counts its region events."""
+
+    def __init__(self) -> None:
+        self.entered = 0
+        self.exited = 0
+
+    def __call__(self, ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def on_region_enter(self, region: cg.Region) -> None:
+        self.entered += 1
+
+    def on_region_exit(self, region: cg.Region) -> None:
+        self.exited += 1
+
+
+@pytest.mark.parametrize("combinator", [policies.any_save, policies.first_answer])
+@pytest.mark.parametrize("nested", [True, False])
+def test_combinator_member_failing_on_region_enter_exits_the_members_that_entered(
+    combinator: Any, nested: bool
+) -> None:
+    # The members before the failing one had entered (save_module_outputs installs global
+    # module hooks there): they stayed installed and tagged tensors outside any region.
+    counts = _CountsEvents()
+    policy = combinator(counts, policies.save_module_outputs(nn.Linear), _FailsOnEnter())
+    block = cg.save_recompute_policy(policy)
+    if nested:
+        with cg.save_recompute_policy("recompute_all") as region:
+            with pytest.raises(ValueError, match="cannot start here"), block:
+                raise AssertionError("the block must not run")
+            assert len(region.policies) == 1
+    else:
+        with pytest.raises(ValueError, match="cannot start here"), block:
+            raise AssertionError("the block must not run")
+    assert (counts.entered, counts.exited) == (1, 1)
+    nn.Linear(2, 2)(torch.randn(3, 2))  # no hook of the policy left: runs outside a region
+
+
 def test_failed_on_region_enter_at_top_level_closes_the_region() -> None:
     with (
         pytest.raises(ValueError, match="cannot start here"),
@@ -190,6 +240,15 @@ def _policy_answers(answer: Any) -> None:
         torch.randn(2, requires_grad=True).exp()
 
 
+def _policy_answers_in_operator(answer: Any) -> None:
+    def bad(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return answer
+
+    x = torch.randn(2, requires_grad=True)
+    with cg.save_recompute_policy(bad):
+        x * 2  # torch turns a TypeError raised under an operator into NotImplemented
+
+
 def _explain(arg: Any) -> None:
     with cg.save_recompute_policy() as region:
         torch.randn(2, requires_grad=True).exp()
@@ -231,7 +290,13 @@ BAD_CALLS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("policy name", lambda: cg.save_recompute_policy("save_all"), ValueError, "unknown policy"),
     ("policy type", lambda: cg.save_recompute_policy(3), TypeError, "a policy must be a name"),
     ("enter twice", _enter_twice, RuntimeError, "cannot be entered twice"),
-    ("policy answer", lambda: _policy_answers(3), TypeError, r"returned 3 for op aten\.randn"),
+    ("policy answer", lambda: _policy_answers(3), RuntimeError, r"returned 3 for op aten\.randn"),
+    (
+        "policy answer, operator",
+        lambda: _policy_answers_in_operator("save"),
+        RuntimeError,
+        r"returned 'save' for op aten\.mul\.Tensor",
+    ),
     ("tag tensor", lambda: cg.tag_with_policy(3.0, True), TypeError, "`tensor`"),
     ("budget type", lambda: policies.memory_budget([1]), TypeError, "memory_budget got list"),
     ("budget fraction", lambda: policies.memory_budget(1.5), ValueError, r"in \(0, 1\]"),

@@ -117,6 +117,7 @@ def segment_limit(region: Region, last: dict[Handle, int]) -> int:
     ``last`` maps each recomputed value to its last consumer op that will run. See Note
     [Bounded recompute cache], rule 1.
     """
+    region._pass.roots = {}  # kept values are settled for the pass: see ``root_of``
     end: dict[Handle, int] = {}  # per storage (its root value), the last op that reads it
     saved: set[Handle] = set()
     for node in region.nodes:
@@ -176,12 +177,27 @@ def _first_realize_bytes(region: Region) -> int:
 
 
 def root_of(region: Region, h: Handle) -> Handle:
-    """The value whose storage ``h`` uses (``h`` itself unless a view), through views."""
+    """The value whose storage ``h`` uses (``h`` itself unless a view), through views.
+
+    Memoized for the pass (``PassState.roots``, reset by ``segment_limit`` at its start,
+    when kept values no longer change): views of the last write's result (a buffer filled
+    step by step) form a chain as long as the writes before them, and walking it for each
+    value made a pass quadratic in the number of writes.
+    """
+    roots = region._pass.roots
+    walked: list[Handle] = []
     while h.is_view and h.reason is None:
+        root = roots.get(h)
+        if root is not None:
+            h = root
+            break
         inputs = region.nodes[h.node_index].inputs
         if not inputs:
             break
+        walked.append(h)
         h = inputs[0]
+    for v in walked:
+        roots[v] = h
     return h
 
 

@@ -50,11 +50,14 @@ _UNINITIALISED = frozenset(
 
 
 def _checksum(t: Any) -> tuple[float, float, float] | None:
+    """Sum, sum of squares and a sum weighted by position: a write through ``.data`` that
+    only moves values (``w.data.copy_(w.data.flip(0))``) changes the last one."""
     if not isinstance(t, torch.Tensor) or t.is_complex() or t.device.type == "meta":
         return None
     with torch.no_grad():
-        v = t.detach().to(torch.float64)
-        return float(v.sum()), float((v * v).sum()), float(t.numel())
+        v = t.detach().to(torch.float64).reshape(-1)
+        place = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device)
+        return float(v.sum()), float((v * v).sum()), float((v * place).sum())
 
 
 def checksums(outs: Sequence[Any]) -> tuple[tuple[float, float, float] | None, ...]:

@@ -9,8 +9,11 @@
 #   3. A PREFER_* answer replaces the current decision unless that is a MUST_*.
 #   4. A MUST_* answer replaces any PREFER_*; a different MUST_* already in place is a
 #      conflict, reported with the op and both policies (no silent winner).
-# Anything else a policy returns is a TypeError naming the policy and the op. Tags
-# (``tag_with_policy``) are applied after the stack and override it for one value.
+# Anything else a policy returns is a CkptGraphError naming the policy and the op; not a
+# TypeError, which torch turns into NotImplemented when the op runs under a Python operator
+# (``x * 2``, ``a @ b``): Python then raised "unsupported operand type(s)" and the message
+# was lost. Tags (``tag_with_policy``) are applied after the stack and override it for one
+# value.
 #
 # Note [Policy keyword arguments]
 # A policy is called as ``policy(ctx, out, op, *args, **kwargs)``: the op's positional
@@ -124,7 +127,7 @@ def to_decision(answer: Any, policy: PolicyFn, op_name: str) -> CheckpointPolicy
         return CheckpointPolicy.PREFER_RECOMPUTE
     if isinstance(answer, CheckpointPolicy):
         return answer
-    raise CkptGraphTypeError(
+    raise CkptGraphError(  # not a TypeError: see Note [Policy stack resolution]
         f"ckpt_graph: policy {policy_name(policy)} returned {answer!r} for op {op_name}; a policy "
         "must return a torch.utils.checkpoint.CheckpointPolicy, a bool, or None to abstain"
     )

@@ -113,7 +113,8 @@ def before_write(
         written = arg_at(h_args, h_kwargs, w)
         if not isinstance(t, torch.Tensor) or not isinstance(written, Handle):
             continue
-        if not info.silent_writes:
+        silent = w in info.silent_args
+        if not silent:
             supersede_view_bases(region, written)
         key = t.untyped_storage().data_ptr()
         note_write(region, info, t.untyped_storage(), written)
@@ -130,7 +131,7 @@ def before_write(
             if k is not written and not overlap(t, k.value):
                 remaining.append(k)  # rule 4: the write leaves its bytes as they are
                 continue
-            if k is not written and not info.silent_writes:
+            if k is not written and not silent:
                 k.superseded = True  # its bytes change (see rule 3 for other counters)
                 k.writes += 1
             if k is written and k.forward_uses == 0 and info.returns_written:
@@ -143,7 +144,7 @@ def before_write(
                 _set_versions((copy,), (k.version,))
             else:
                 k.version = copy._version
-            if info.silent_writes:
+            if silent:
                 k.ref = None  # the tensor's version stays: it must not match ``k`` again
             copied.append((k, copy))
         if remaining:
@@ -182,8 +183,9 @@ def mark_written(
         written = arg_at(h_args, h_kwargs, w)
         if not isinstance(written, Handle):
             continue
-        written.superseded = not info.silent_writes
-        written.writes += not info.silent_writes
+        silent = w in info.silent_args
+        written.superseded = not silent
+        written.writes += not silent
         if first is None:
             first = written
         if not info.returns_written:

@@ -47,6 +47,9 @@ class OpInfo:
             declares them (CPU ``native_batch_norm``; ``rrelu_with_noise``, whose noise
             argument autograd saves before the op writes it): eager autograd cannot see
             them, so a saved tensor of the old value reads the new one.
+        silent_args: the written arguments whose write bumps no version counter: all of
+            ``writes`` when ``silent_writes``, or some (the noise of ``rrelu_with_noise_``,
+            whose ``self`` is written as any in-place op's).
     """
 
     name: str
@@ -57,6 +60,7 @@ class OpInfo:
     is_inplace_view: bool
     silent_writes: bool = False
     is_pointwise: bool = False
+    silent_args: tuple[int | str, ...] = ()
     options: tuple[str, ...] = ()
 
     @property
@@ -74,10 +78,15 @@ _UNANNOTATED_WRITES: dict[str, tuple[int, ...]] = {
     "aten::miopen_batch_norm": (3, 4),
 }
 
-# Ops whose schema declares a write that bumps no version counter in eager:
+# Ops whose schema declares a write that bumps no version counter in eager, by argument:
 # ``rrelu_with_noise`` fills its noise argument, which its backward formula reads, and
-# autograd saves that argument before the op runs. See Note [Silent writes] in write_prep.py.
-_UNVERSIONED_WRITES = frozenset({"aten::rrelu_with_noise"})
+# autograd saves that argument before the op runs; the in-place ``rrelu_with_noise_``
+# (``nn.RReLU(inplace=True)``, ``F.rrelu_``) fills it the same way, while its ``self`` is
+# written (and bumped) as any in-place op's. See Note [Silent writes] in write_prep.py.
+_UNVERSIONED_WRITES: dict[str, tuple[int, ...]] = {
+    "aten::rrelu_with_noise": (1,),
+    "aten::rrelu_with_noise_": (1,),
+}
 
 _OP_INFO: dict[OpOverload, OpInfo] = {}
 
@@ -97,10 +106,13 @@ def _compute_op_info(op: OpOverload) -> OpInfo:
         if arg.alias_info is not None and arg.alias_info.is_write:
             writes.append(arg.name if arg.kwarg_only else i)
     silent = op.name() in _UNANNOTATED_WRITES and op._overloadname in ("default", "")
+    silent_args: tuple[int | str, ...] = ()
     if silent:
         writes.extend(_UNANNOTATED_WRITES[op.name()])
+        silent_args = tuple(writes)
     elif op.name() in _UNVERSIONED_WRITES and op._overloadname in ("default", ""):
-        silent = True
+        silent_args = _UNVERSIONED_WRITES[op.name()]
+        silent = set(silent_args) == set(writes)
     returns = schema.returns
     returns_written = bool(returns) and all(
         r.alias_info is not None and r.alias_info.is_write for r in returns
@@ -124,6 +136,7 @@ def _compute_op_info(op: OpOverload) -> OpInfo:
         is_random=torch.Tag.nondeterministic_seeded in tags,
         is_inplace_view=torch.Tag.inplace_view in tags,
         silent_writes=silent,
+        silent_args=silent_args,
         is_pointwise=torch.Tag.pointwise in tags,
         options=options,
     )

@@ -75,6 +75,7 @@ class PassState:
         "number",
         "peak_cached_bytes",
         "recomputed_ops",
+        "roots",
         "segment",
         "segment_bytes",
         "segment_limit",
@@ -99,6 +100,7 @@ class PassState:
         self.active: dict[Handle, None] = {}  # values of this realize that `need` > 0
         self.need: dict[Handle, int] = {}  # per value, collected ops of the realize to read it
         self.checkpoints: set[Handle] = set()
+        self.roots: dict[Handle, Handle] = {}  # memo of ``cache_bound.root_of``
 
 
 def begin_pass(region: Region, task: int) -> None:

@@ -264,7 +264,7 @@ def _run_special(
     kept_bytes = region.kept_bytes
     if info.writes:
         undo = write_state(region, info, args, kwargs, h_args, h_kwargs)
-        if info.silent_writes:
+        if info.silent_args:
             keep_silently_written(region, info, args, kwargs, h_args, h_kwargs)
         overwritten = before_write(region, info, args, kwargs, h_args, h_kwargs)
     rng = capture_rng(args, kwargs) if info.is_random else None

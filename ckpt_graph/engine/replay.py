@@ -74,10 +74,13 @@ _is_any_autocast_enabled = torch._C._is_any_autocast_enabled
 # and recompute runs under those (``_replay_globals``): each differing one is set for the
 # duration of a ``realize`` and restored after. Changing one inside an open region would
 # leave ops of one region with two settings: closing the region then raises (see
-# ``Region._close_region``). Others are handled elsewhere: factory ops record the dtype,
-# layout and device they produced (Note [Factory ops] in record.py); recompute runs with
-# autocast off and no grad, whatever the backward has (the recorded ops carry autocast's
-# casts, and grad mode does not change values).
+# ``Region._close_region``). The default dtype is one of them too: besides factory ops,
+# which record the dtype, layout and device they produced (Note [Factory ops] in
+# record.py), it sets the result dtype of ops that promote integers to floating point
+# (``idx * 0.1``, ``idx / 3``, ``idx.sigmoid()``), whose replay under another default gave
+# float64 values where the forward had float32. Recompute runs with autocast off and no
+# grad, whatever the backward has (the recorded ops carry autocast's casts, and grad mode
+# does not change values).
 REPLAY_GLOBALS: tuple[tuple[str, Any, Any], ...] = (
     (
         "torch.use_deterministic_algorithms",
@@ -94,6 +97,7 @@ REPLAY_GLOBALS: tuple[tuple[str, Any, Any], ...] = (
     ),
     ("torch.backends.mkldnn.enabled", torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled),
     ("torch.set_num_threads", torch.get_num_threads, torch.set_num_threads),
+    ("torch.set_default_dtype", torch.get_default_dtype, torch.set_default_dtype),
 )
 
 

@@ -58,9 +58,12 @@ def _check_version(region: Region, h: Handle) -> None:
         # See Note [Mutation and views], rule 6: the view's tensor is gone (a temporary
         # view autograd saved), but it shared its base's version counter.
         b = h.base
-        bt = b.value if b.value is not None and b.offload_device is None else None
-        if bt is None and b.ref is not None:
-            bt = b.ref()
+        # The forward tensor first: the base's value may be a copy taken before a write
+        # (``hold_copy``), whose version never moves, and a recorded write over the base
+        # was then blamed on `.data`.
+        bt = b.ref() if b.ref is not None else None
+        if bt is None and b.value is not None and b.offload_device is None:
+            bt = b.value
         if b.writes > h.base_writes:  # written after the view was made
             if bt is not None and version_of(bt) == b.version:
                 raise _untracked_write_error(h, region)

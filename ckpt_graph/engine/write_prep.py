@@ -15,6 +15,7 @@ from ckpt_graph.engine import graph
 from ckpt_graph.engine.graph import Handle, arg_at
 from ckpt_graph.engine.holding import hold
 from ckpt_graph.engine.op_info import OpInfo
+from ckpt_graph.engine.storage_history import alias_source
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
@@ -23,8 +24,9 @@ __all__ = ["keep_silently_written", "restore", "write_state"]
 
 
 # Note [Silent writes]
-# Some writes bump no version counter (``OpInfo.silent_writes``): CPU ``native_batch_norm``
-# updating running statistics, ``rrelu_with_noise`` filling its noise argument. Autograd
+# Some writes bump no version counter (``OpInfo.silent_args``): CPU ``native_batch_norm``
+# updating running statistics, ``rrelu_with_noise`` (and ``rrelu_with_noise_``, whose
+# ``self`` is written as usual) filling its noise argument. Autograd
 # saves ``noise`` before the op runs, and eager's backward reads whatever the tensor holds
 # then: the values the op wrote. A recomputed handle of the written argument would give
 # the values before the write (``empty_like``'s garbage), so the written argument is kept
@@ -43,7 +45,7 @@ def keep_silently_written(
     h_kwargs: dict[str, Any],
 ) -> None:
     """Keep recomputed arguments a silent write changes. See Note [Silent writes]."""
-    for w in info.writes:
+    for w in info.silent_args:
         t = arg_at(args, kwargs, w)
         h = arg_at(h_args, h_kwargs, w)
         if not isinstance(t, torch.Tensor) or not isinstance(h, Handle) or h.node_index < 0:
@@ -65,7 +67,7 @@ def keep_silently_written(
 # raises (``restore``), and nothing is recorded. The storage index
 # is rebuilt at the next write. Without this, a saved tensor of the base raised an error
 # about `.data` in backward.
-_Undo = list[tuple[Handle, bool, Any, int, Any, graph.KeptReason | None]]
+_Undo = list[tuple[Handle, bool, int, Any, int, Any, graph.KeptReason | None]]
 
 
 def write_state(
@@ -85,9 +87,16 @@ def write_state(
         if not isinstance(t, torch.Tensor) or not isinstance(h, Handle):
             continue
         touched[id(h)] = h
-        while h.is_view and h.node_index >= 0 and region.nodes[h.node_index].inputs:
-            h = region.nodes[h.node_index].inputs[0]
-            touched[id(h)] = h
+        # What ``supersede_view_bases`` changes: the view's base and the value an
+        # ``unsafe_chunk`` output was cut from. Not the whole chain of views back to it,
+        # which grows with every write through a view of the last write's result (a buffer
+        # filled step by step): walking it made each write cost the number of writes before.
+        b = h.base
+        if b is not None:
+            touched[id(b)] = b
+        src = alias_source(region, b or h)
+        if src is not None:
+            touched[id(src)] = src
         key = t.untyped_storage().data_ptr()
         if by_storage is not None:
             entries: Any = by_storage.get(key, ())
@@ -102,11 +111,14 @@ def write_state(
             ]
         for k in entries:
             touched[id(k)] = k
-    return [(h, h.superseded, h.value, h.version, h.ref, h.reason) for h in touched.values()]
+    return [
+        (h, h.superseded, h.writes, h.value, h.version, h.ref, h.reason) for h in touched.values()
+    ]
 
 
 def restore(region: Region, undo: _Undo) -> None:
     """Undo ``before_write`` for an op that raised. See Note [Failed in-place ops]."""
-    for h, superseded, value, version, ref, reason in undo:
-        h.superseded, h.value, h.version, h.ref, h.reason = superseded, value, version, ref, reason
+    for h, superseded, writes, value, version, ref, reason in undo:
+        h.superseded, h.writes, h.value, h.version = superseded, writes, value, version
+        h.ref, h.reason = ref, reason
     region._by_storage = None

@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import ExitStack
 from typing import Any
 
 from torch._ops import OpOverload
@@ -39,11 +40,30 @@ class _Combinator(Policy):
     def _repr_args(self) -> str:
         return ", ".join(repr(p) for p in self._given)
 
+    # Note [Combinator region events]
+    # A member's ``on_region_enter`` may raise after earlier members entered (installed
+    # module hooks, started a budget run). The engine then pops the combinator without
+    # calling its ``on_region_exit`` (Note [Failed policy push] in region.py), so the
+    # members that entered are exited here, in reverse order, before the error propagates:
+    # otherwise ``save_module_outputs``'s hooks stayed installed and tagged tensors outside
+    # any region. On exit every member is exited, even if one raises.
     def on_region_enter(self, region: Any) -> None:
-        _forward_event(self._policies, "on_region_enter", region)
+        with ExitStack() as entered:  # See Note [Combinator region events].
+            for policy in self._policies:
+                enter = getattr(policy, "on_region_enter", None)
+                if enter is not None:
+                    enter(region)
+                leave = getattr(policy, "on_region_exit", None)
+                if leave is not None:
+                    entered.callback(leave, region)
+            entered.pop_all()
 
     def on_region_exit(self, region: Any) -> None:
-        _forward_event(self._policies, "on_region_exit", region)
+        with ExitStack() as leaving:  # every member, in order, even if one raises
+            for policy in reversed(self._policies):
+                leave = getattr(policy, "on_region_exit", None)
+                if leave is not None:
+                    leaving.callback(leave, region)
 
 
 class first_answer(_Combinator):
@@ -93,14 +113,6 @@ class any_save(_Combinator):
             elif first is None:
                 first = answer
         return _PREFER_SAVE if prefer_save else first
-
-
-def _forward_event(policies: Iterable[object], name: str, region: Any) -> None:
-    """Pass an optional region event on to the members of a combinator that define it."""
-    for policy in policies:
-        method = getattr(policy, name, None)
-        if method is not None:
-            method(region)
 
 
 class from_torch_sac(Policy):

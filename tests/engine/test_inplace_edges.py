@@ -7,6 +7,8 @@ checks that the region raises where eager raises (and only there).
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -265,6 +267,91 @@ def test_buffer_filled_step_by_step_peak_linear_when_all_kept() -> None:
     assert small <= 2 * _fill_peak(40, None), small
 
 
+def _engine_lines(run: Callable[[], None]) -> int:
+    """Lines of ckpt_graph executed by ``run``: a measure of the engine's work that does
+    not depend on the machine's load, unlike a time."""
+    package = os.path.dirname(cg.__file__)
+    count = 0
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        if event == "line":
+            count += 1
+        return local
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code.co_filename.startswith(package) else None
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        run()
+    finally:
+        sys.settrace(previous)
+    return count
+
+
+def _fill_step_lines(steps: int, policy: str) -> int:
+    x = leaf(2, steps, 4, dtype=torch.float32)
+    w = leaf(4, 4, dtype=torch.float32, seed=1)
+
+    def step() -> None:
+        with cg.save_recompute_policy(policy):
+            out = _fill_loop(steps)(x, w)
+        out.sum().backward()
+
+    return _engine_lines(step)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "recompute_all",
+        pytest.param(
+            "must_save_all",
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=AssertionError,
+                reason="before_write checks every kept value of the written storage for "
+                "overlap, and must_save_all keeps a view of the buffer per step: each write "
+                "costs the number of steps before it",
+            ),
+        ),
+    ],
+)
+def test_buffer_filled_step_by_step_engine_work_linear(policy: str) -> None:
+    """The forward noted every view back to the buffer's first write for each write (undo
+    of a failed write), and each backward pass walked the same chain for every value
+    (``cache_bound.root_of``): both quadratic in the number of steps."""
+    small, large = _fill_step_lines(40, policy), _fill_step_lines(160, policy)
+    assert large <= 5 * small, (small, large)  # 4x the steps; quadratic was 8-10x
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="a value the user still holds (the filled buffer) is recomputed for backward "
+    "instead of read from the live forward tensor: one more buffer than eager at the peak",
+)
+def test_buffer_filled_step_by_step_peak_no_higher_than_eager_while_the_caller_holds_it() -> None:
+    x = leaf(8, 40, 32, dtype=torch.float32, grad=False)
+    w = leaf(32, 32, dtype=torch.float32, seed=1)
+
+    def step(policy: str | None) -> None:
+        scope: Any = cg.save_recompute_policy(policy) if policy else contextlib.nullcontext()
+        with scope:
+            h = torch.zeros(8, 32)
+            out = torch.zeros(8, 40, 32)
+            for t in range(40):
+                h = torch.tanh(x[:, t] @ w + h)
+                out[:, t] = h
+            loss = (out * out).sum()  # saves the buffer
+        loss.backward()  # `out` is alive: the caller uses it after the step, as RNN code does
+        del out
+
+    assert measure(step, "recompute_all").peak_bytes <= measure(step, None).peak_bytes + 16 * 1024
+
+
 def _view_updates(x: torch.Tensor) -> torch.Tensor:
     y = x * 1
     v = y[1]
@@ -356,6 +443,46 @@ def _after_write_through_view(scope: Any, x: torch.Tensor) -> torch.Tensor:
 )
 def test_write_after_region_to_value_eager_never_saved(fn: Callable[..., Any], policy: Any) -> None:
     check(fn, [leaf(4, 4)], policy, scoped=True)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=cg.CkptGraphError,
+    reason="a region input cannot be recomputed, and a write to it after the region cannot be "
+    "seen before it happens (Note [Kept values changed after the region]); keeping a copy of "
+    "every input autograd did not save would cost memory",
+)
+def test_write_after_region_to_region_input_eager_never_saved() -> None:
+    def fn(scope: Any, x: torch.Tensor) -> torch.Tensor:
+        a = x * 1  # computed before the region: a region input that requires grad
+        with scope():
+            y = (a + 1).exp()  # exp saves its result; add saves nothing: eager never saves a
+        a.mul_(2)  # legal in eager
+        return y
+
+    check(fn, [leaf(4, 4)], "recompute_all", scoped=True)
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", policies.save_matmuls()])
+def test_saved_view_of_region_input_written_in_the_region_raises_the_version_error(
+    policy: Any,
+) -> None:
+    # The input was copied before the write (a recorded write, with a version bump); the
+    # version check read the copy's version, unchanged, and blamed `.data`.
+    w = leaf(4, 4)
+    x = leaf(4, 4, grad=False, seed=1)
+
+    def fn(scope: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        with scope:
+            y = (x[1:3] @ w).exp()  # saves the temporary view x[1:3]
+            x.add_(1)  # bumps the counter x[1:3] shared
+        return y, x
+
+    assert "modified by an inplace operation" in _eager_error(fn)
+    x.sub_(1)
+    with pytest.raises(cg.CkptGraphError, match=r"modified by an inplace operation"):
+        y, _ = fn(cg.save_recompute_policy(policy))
+        y.sum().backward()
 
 
 def test_write_after_region_to_saved_kept_value_still_raises() -> None:

@@ -17,8 +17,8 @@ import torch
 import ckpt_graph as cg
 from ckpt_graph.compare.architectures import GPT
 from ckpt_graph.memory import measure
+from ckpt_graph.planner import local_search, seeds, step_budget
 from ckpt_graph.planner import memory_budget as memory_budget_module
-from ckpt_graph.planner import step_budget
 from ckpt_graph.planner.liveness import from_region, kept_ops_of, simulate
 from ckpt_graph.planner.local_search import Refinement
 from ckpt_graph.planner.memory_budget import MemoryBudget, StepPlan, memory_budget
@@ -286,3 +286,43 @@ def test_a_warm_start_is_refined_at_later_steps_until_its_search_ends(
     fresh_report = fresh.report()
     assert fresh_report is not None and fresh_report.method != "warm start"
     assert costs[-1] <= fresh_report.predicted_recompute_flops  # measured: equal
+
+
+@pytest.fixture
+def simulations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the planner's liveness simulations (its unit of planning work)."""
+    count = [0]
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return simulate(*args, **kwargs)
+
+    monkeypatch.setattr(local_search, "simulate", counting)
+    monkeypatch.setattr(seeds, "simulate", counting)
+    return count
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="when the warm start cannot fit the budget at the new size (the budget is below "
+    "reach there), the full solver plans the step from scratch: about as much work as the "
+    "first plan, 10-20x a planned step's time, at each new largest size",
+)
+def test_int_budget_below_reach_at_a_new_largest_size_costs_about_a_warm_start(
+    simulations: list[int],
+) -> None:
+    step = Step(model())
+    policy = memory_budget(150_000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(batch(4, 16), policy)
+        policy.report()  # planned from scratch: several hundred simulations
+        costs = {}
+        for s in (24, 32, 40):  # 24 fits the budget; 32 and 40 no longer do
+            simulations[0] = 0
+            step(batch(4, s), policy)
+            policy.report()  # plans the step that grew
+            costs[s] = simulations[0]
+    assert costs[24] <= 100, costs  # a warm start that fits
+    assert max(costs.values()) <= 100, costs
