@@ -52,9 +52,17 @@
 #    plan (the search keeps only plans simulated within the budget). Measured there: it
 #    ended after 28-59 steps with plans 0-8% cheaper than a fresh plan, those steps costing
 #    1.1-2x a planned step of the smaller size (the larger size's own work included).
+# 6. A warm start that cannot fit (the values grew past what its greedy descent can bring
+#    under the budget) goes on with the full solver limited to ``_WARM_EVALS`` evaluations
+#    (its seeds, hand plans included, then a short search; a plan that fits is refined at
+#    later steps as in 5). When nothing fits, the budget is below reach at that size and
+#    the seeds alone give the plan with the lowest simulated total peak (step 7 of Note
+#    [Memory budget planning]): on tests/planner/test_budget_shapes.py's GPT, about 40
+#    simulations, the same plan as the unlimited solver (about 200 simulations, 10-20x a
+#    planned step, which such a step ran before at every new largest size).
 # Known limitations: steps of several regions are not refined (their menus are the smaller
-# size's entries, simulated); a new largest size whose warm start cannot fit the budget is
-# planned from scratch (so, below what the sizes can reach, every new largest size is).
+# size's entries, simulated); a plan found by rule 6 when the budget is still within reach
+# may cost more than the unlimited solver's until the refinement of rule 5 catches up.
 #
 # Note [Following a plan]
 # A planned step asks the policy about every op, so following a plan must cost little per

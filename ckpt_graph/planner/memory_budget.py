@@ -288,23 +288,26 @@ class MemoryBudget:
         budget = int(self.budget * graph.baseline) if fraction else int(self.budget)
         limit = budget + graph.outside
         ref = None
+        option: Option | None = None
         if graph.warm is not None:
             start = warm_kept(graph.warm.kept, graph)
             ref = solve_from(graph.g, graph.candidates, limit, start, max_evals=_WARM_EVALS)
+            if ref is None:  # See Note [Warm start at a new size] rule 6.
+                ref, option = _cheap_start(graph, limit)
         if ref is not None:
-            option = Option(ref.kept, ref.result, _WARM)
+            option = Option(ref.kept, ref.result, option.method if option else _WARM)
             if not ref.done:
                 self._refining = (seen.ordinal, graph, budget, ref)
-        else:
+        elif option is None:
             sol = solve(graph.g, graph.candidates, limit, hand=graph.hand, below_reach="total")
-            if not sol.feasible:
-                warnings.warn(
-                    f"ckpt_graph: memory_budget({self.budget!r}): no plan found within "
-                    f"{budget:,} bytes for region #{seen.ordinal}; the plan with the lowest "
-                    f"simulated peak ({sol.result.peak_bytes - graph.outside:,} bytes) is used",
-                    stacklevel=5,
-                )
             option = Option(sol.kept_ops, sol.result, sol.method, sol.feasible)
+        if not option.feasible:
+            warnings.warn(
+                f"ckpt_graph: memory_budget({self.budget!r}): no plan found within "
+                f"{budget:,} bytes for region #{seen.ordinal}; the plan with the lowest "
+                f"simulated peak ({option.result.peak_bytes - graph.outside:,} bytes) is used",
+                stacklevel=5,
+            )
         plan = make_plan(graph, option, seen.ordinal, budget)
         self._plans[seen.ordinal] = plan
         self._last = plan.report
@@ -406,6 +409,28 @@ def memory_budget(
         >>> print(policy.step_report())  # doctest: +SKIP
     """
     return MemoryBudget(budget, flops_per_byte=flops_per_byte)
+
+
+def _cheap_start(graph: RegionGraph, limit: int) -> tuple[Refinement | None, Option]:
+    """Where a warm start that cannot fit goes on (Note [Warm start at a new size] rule 6).
+
+    Returns:
+        The solver's plan within the warm start's evaluations, and a search from it to
+        continue at later steps when it fits (else ``None``: it has the lowest simulated
+        total peak found, not feasible).
+    """
+    sol = solve(
+        graph.g,
+        graph.candidates,
+        limit,
+        hand=graph.hand,
+        below_reach="total",
+        max_evals=_WARM_EVALS,
+    )
+    option = Option(sol.kept_ops, sol.result, sol.method, sol.feasible)
+    if not sol.feasible:
+        return None, option
+    return solve_from(graph.g, graph.candidates, limit, sol.kept_ops, max_evals=0), option
 
 
 def _done(region: Region | None) -> bool:
