@@ -189,12 +189,20 @@ def input_bytes(region: Region, since: int, storages: set[int]) -> int:
 
     Region inputs with autograd history (a previous layer's output) are activations
     the region keeps until its backward; parameters, the batch and other leaves are
-    not. See Note [Step budget across regions] rule 1.
+    not. An input the program no longer references (``h = block(h)`` inside a ``with``
+    block rebinds ``h`` before the region exits) lives only in the region's hold of it,
+    and counts too. See Note [Step budget across regions] rule 1.
     """
     total = 0
     for h in region.inputs[since:]:
-        t = h.ref() if h.ref is not None else None
-        if t is None or t.grad_fn is None:
+        if h.ref is None:
+            continue
+        t = h.ref()
+        if t is None:  # dropped by the program: alive through the region's hold
+            t = h.value if h.offload_device is None else None
+            if t is None:
+                continue
+        elif t.grad_fn is None:
             continue
         try:
             storage = t.untyped_storage()
