@@ -81,8 +81,8 @@ __all__ = [
     "input_bytes",
     "make_plan",
     "menu",
+    "menu_entry",
     "numel",
-    "option",
     "plain_peak",
     "plan_jointly",
     "region_graph",
@@ -114,7 +114,7 @@ class Option:
     forward: int = 0
 
 
-def option(
+def menu_entry(
     g: SimGraph, kept_ops: frozenset[int], result: SimResult, method: str, feasible: bool = True
 ) -> Option:
     """The menu entry of a plan: without the kept ops backward never reads, with its
@@ -334,10 +334,10 @@ def step_budget_bytes(seen: list[Seen], budget: int | float) -> int:
 
 
 def everything(graph: RegionGraph) -> Option:
-    """The plan of ``graph`` keeping every candidate (pruned, see :func:`option`)."""
+    """The plan of ``graph`` keeping every candidate (pruned, see :func:`menu_entry`)."""
     if graph.everything is None:
         g, cands = graph.g, frozenset(graph.candidates)
-        graph.everything = option(g, cands, simulate(g, cands), "all")
+        graph.everything = menu_entry(g, cands, simulate(g, cands), "all")
     return graph.everything
 
 
@@ -346,15 +346,15 @@ def menu(graph: RegionGraph) -> list[Option]:
     if graph.menu is not None:
         return graph.menu
     g, cands = graph.g, graph.candidates
-    options = [option(g, frozenset(), simulate(g, []), "none"), everything(graph)]
+    options = [menu_entry(g, frozenset(), simulate(g, []), "none"), everything(graph)]
     low = solve(g, cands, 0, max_evals=_MENU_EVALS, hand=graph.hand)
-    options.append(option(g, low.kept_ops, low.result, low.method))
+    options.append(menu_entry(g, low.kept_ops, low.result, low.method))
     lo = min(o.result.peak_bytes for o in options)
     hi = options[1].result.peak_bytes
     for i in range(1, _MENU):
         sol = solve(g, cands, lo + (hi - lo) * i // _MENU, max_evals=_MENU_EVALS, hand=graph.hand)
         if sol.feasible:
-            options.append(option(g, sol.kept_ops, sol.result, sol.method))
+            options.append(menu_entry(g, sol.kept_ops, sol.result, sol.method))
     graph.menu = undominated(options)
     return graph.menu
 
@@ -475,12 +475,12 @@ def warm_menu(graph: RegionGraph) -> list[Option]:
     for o in old.menu or []:
         starts.append(frozenset(old.positions[j] for j in o.kept_ops if j in old.positions))
     g, cands = graph.g, graph.candidates
-    options = [option(g, frozenset(), simulate(g, []), "none"), everything(graph)]
+    options = [menu_entry(g, frozenset(), simulate(g, []), "none"), everything(graph)]
     seen = {frozenset[int](), frozenset(cands)}
     for kept_pos in starts:
         kept = warm_kept(kept_pos, graph)
         if kept not in seen:
             seen.add(kept)
-            options.append(option(g, kept, simulate(g, kept), "warm start"))
+            options.append(menu_entry(g, kept, simulate(g, kept), "warm start"))
     graph.menu = undominated(options)
     return graph.menu
