@@ -4,13 +4,14 @@
 # 1. Budget. An int (or a string with a unit) is bytes; a float in (0, 1] is a fraction
 #    (see Note [Budget argument]) of the activation memory the region would keep without
 #    checkpointing: the distinct storages of the values
-#    autograd saves that the region's ops produce (``SimGraph.saved_bytes``); for a step
-#    of several regions, of the step's (Note [Step budget across regions]). It bounds
+#    autograd saves that the region's ops produce (``SimGraph.saved_bytes``). It bounds
 #    the *simulated activation peak of backward* (kept + cached + held recomputed values,
 #    see Note [Backward liveness model]); gradient buffers are reported, not budgeted.
 #    The budget is for a whole *step*: several regions of one step using the same policy
 #    object (per-layer regions of ``wrap`` or ``integrations.transformers.enable``, several
-#    ``with`` blocks) share it, planned jointly (Note [Step budget across regions]).
+#    ``with`` blocks) share it, planned jointly; it then bounds the step's simulated peak
+#    with the regions' gradient buffers and forward peaks, and a fraction is of that peak
+#    without checkpointing (Note [Step budget across regions] rule 1).
 # 2. First step: no plan exists, so the online heuristic decides (rule 5) in each region
 #    (paced against that region's own saved bytes) while the region records the graph. At
 #    the region's exit its graph is kept (``RegionGraph``, no tensors), with each op's
@@ -89,6 +90,7 @@ from ckpt_graph.planner.step_budget import (
     make_plan,
     plan_jointly,
     region_graph,
+    step_budget_bytes,
     warm_kept,
 )
 
@@ -110,10 +112,10 @@ class MemoryBudget:
     """The policy object returned by :func:`memory_budget`. See Note [Memory budget policy].
 
     Known limitations:
-        The budget bounds the simulated activation memory, not backward temporaries or
-        gradients; the simulator's unpack order is autograd's usual one for a region
-        (reverse forward order). A step's plan ignores memory outside its regions (see
-        Note [Step budget across regions]).
+        The budget of a step of one region bounds the simulated activation memory, not
+        backward temporaries or gradients; the simulator's unpack order is autograd's
+        usual one for a region (reverse forward order). A step's plan ignores memory
+        outside its regions (see Note [Step budget across regions]).
     """
 
     def __init__(self, budget: int | float | str, *, flops_per_byte: float | None = None) -> None:
@@ -335,9 +337,7 @@ class MemoryBudget:
 
     def _plan_jointly(self) -> None:
         """The DP of rule 3 of Note [Step budget across regions]."""
-        fraction = isinstance(self.budget, float)
-        baseline = sum(s.graph.baseline + s.inputs for s in self._seen)
-        budget = int(self.budget * baseline) if fraction else int(self.budget)
+        budget = step_budget_bytes(self._seen, self.budget)
         plans, step = plan_jointly(self._seen, budget)
         if not step.feasible and not self._warned_step:
             self._warned_step = True
@@ -388,10 +388,12 @@ def memory_budget(
             Note [Budget argument]) of the activation memory the region keeps without
             checkpointing, for one step: regions of a step that share the
             object (per-layer regions of ``wrap`` or ``integrations.transformers.enable``,
-            several ``with`` blocks) share the budget. A step ends when every region of it
-            ran its backward (or was released); its regions are planned jointly when the
-            next step starts. See Note [Memory budget policy] and Note [Step budget across
-            regions].
+            several ``with`` blocks) share the budget, which then covers the step's peak
+            (gradients of activations included) less the memory outside the regions, and
+            a fraction is of that peak without checkpointing. A step ends when every
+            region of it ran its backward (or was released); its regions are planned
+            jointly when the next step starts. See Note [Memory budget policy] and Note
+            [Step budget across regions].
         flops_per_byte: FLOPs one byte moved by a memory-bound op is worth when comparing
             recompute costs; ``None`` measures it on this machine at the first plan. See
             Note [Recompute cost model].

@@ -199,7 +199,10 @@ def test_per_block_regions_at_a_new_largest_size_reuse_the_smaller_menus(
     solver_calls: Counter[str],
 ) -> None:
     gpt = model()
-    budget = 300_000  # for the step's LAYERS regions together
+    # for the step's LAYERS regions together, gradients of activations included (Note [Step
+    # budget across regions] rule 1): within every size's peak without checkpointing but
+    # the smallest's (simulated: 0.34 / 0.49 / 0.73 MB at 4x16 / 4x24 / 6x24)
+    budget = 450_000
     policy = memory_budget(budget, flops_per_byte=2.0)
 
     def blocks_step(x: torch.Tensor, policy: MemoryBudget | None) -> None:
@@ -238,7 +241,9 @@ def test_per_block_regions_at_a_new_largest_size_reuse_the_smaller_menus(
         assert report is not None
         assert solver_calls["solve"] == solves, (b, s)  # no menu built by the solver again
         assert report.baseline_bytes > first.baseline_bytes  # planned at the new size
-        others = plain - report.baseline_bytes  # measured: 0.94-0.96x the budget
+        # the memory outside the regions: measured without checkpointing less the
+        # planner's figure for it (Note [Step budget across regions] rule 5)
+        others = plain - report.plain_peak_bytes
         assert peak - others <= 1.03 * budget, (b, s, peak - others)
 
 

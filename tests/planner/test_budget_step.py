@@ -166,3 +166,15 @@ def test_joint_choice_is_the_cheapest_that_fits() -> None:
     assert choose(seen, [menu, menu], 115) == [0, 1]
     assert choose(seen, [menu, menu], 120) == [1, 1]
     assert choose(seen, [menu, menu], 59) is None
+
+
+def test_inputs_the_program_rebinds_inside_the_block_count() -> None:
+    # ``h = block(h)`` inside the with block drops the caller's reference to the input
+    # before the region exits: only the region's hold keeps it alive.
+    policy = cg.policies.memory_budget(0.5)
+    model, x = _model()
+    step = _blocks_step(policy)
+    _run(step, model, x)
+    report = policy.step_report()
+    assert report is not None
+    assert report.input_bytes == LAYERS * 8 * 32 * 64 * 4  # each block's hidden state
