@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckpt_graph.planner.step_budget import Plan, Signature
+from ckpt_graph.planner.plans import Plan, Signature
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region

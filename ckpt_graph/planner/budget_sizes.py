@@ -90,13 +90,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckpt_graph.planner.solve import PlanReport
-from ckpt_graph.planner.step_budget import Plan, Signature, numel
+from ckpt_graph.planner.local_search import Refinement
+from ckpt_graph.planner.plans import Option, Plan, RegionGraph, Signature, numel
+from ckpt_graph.planner.solve import PlanReport, solve, solve_from
 
 if TYPE_CHECKING:
     from ckpt_graph.planner.budget_heuristic import Run
 
-__all__ = ["catch_up", "follow", "match", "op_shapes", "scaled", "structure"]
+__all__ = ["catch_up", "cheap_start", "follow", "match", "op_shapes", "scaled", "structure"]
 
 
 def match(run: Run, pos: int, sig: Signature, fraction: bool) -> bool | None:
@@ -180,3 +181,25 @@ def follow(run: Run, pos: int, sig: Signature) -> None:
     run.plans = [
         p for p in run.plans if pos < len(p.signature) and structure(p.signature[pos]) == shape
     ]
+
+
+def cheap_start(graph: RegionGraph, limit: int, max_evals: int) -> tuple[Refinement | None, Option]:
+    """Where a warm start that cannot fit goes on (Note [Warm start at a new size] rule 6).
+
+    Returns:
+        The solver's plan within ``max_evals`` evaluations (the warm start's), and a search from it to
+        continue at later steps when it fits (else ``None``: it has the lowest simulated
+        total peak found, not feasible).
+    """
+    sol = solve(
+        graph.g,
+        graph.candidates,
+        limit,
+        hand=graph.hand,
+        below_reach="total",
+        max_evals=max_evals,
+    )
+    option = Option(sol.kept_ops, sol.result, sol.method, sol.feasible)
+    if not sol.feasible:
+        return None, option
+    return solve_from(graph.g, graph.candidates, limit, sol.kept_ops, max_evals=0), option

@@ -75,24 +75,29 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphValueError
 from ckpt_graph.planner.budget_heuristic import Run, count_saved, heuristic
-from ckpt_graph.planner.budget_sizes import catch_up, follow, match, op_shapes, scaled
+from ckpt_graph.planner.budget_sizes import (
+    catch_up,
+    cheap_start,
+    follow,
+    match,
+    op_shapes,
+    scaled,
+)
 from ckpt_graph.planner.cost_model import calibrated_flops_per_byte, parse_budget, recorded_costs
 from ckpt_graph.planner.local_search import Refinement
-from ckpt_graph.planner.solve import KeptTensor, PlanReport, solve, solve_from
-from ckpt_graph.planner.step_budget import (
+from ckpt_graph.planner.menus import warm_kept
+from ckpt_graph.planner.plans import (
     Option,
     Plan,
     RegionGraph,
     Seen,
     Signature,
     StepPlan,
-    input_bytes,
     make_plan,
-    plan_jointly,
-    region_graph,
-    step_budget_bytes,
-    warm_kept,
 )
+from ckpt_graph.planner.region_graph import input_bytes, region_graph
+from ckpt_graph.planner.solve import KeptTensor, PlanReport, solve, solve_from
+from ckpt_graph.planner.step_budget import plan_jointly, step_budget_bytes
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
@@ -295,7 +300,7 @@ class MemoryBudget:
             start = warm_kept(graph.warm.kept, graph)
             ref = solve_from(graph.g, graph.candidates, limit, start, max_evals=_WARM_EVALS)
             if ref is None:  # See Note [Warm start at a new size] rule 6.
-                ref, option = _cheap_start(graph, limit)
+                ref, option = cheap_start(graph, limit, _WARM_EVALS)
         if ref is not None:
             option = Option(ref.kept, ref.result, option.method if option else _WARM)
             if not ref.done:
@@ -411,28 +416,6 @@ def memory_budget(
         >>> print(policy.step_report())  # doctest: +SKIP
     """
     return MemoryBudget(budget, flops_per_byte=flops_per_byte)
-
-
-def _cheap_start(graph: RegionGraph, limit: int) -> tuple[Refinement | None, Option]:
-    """Where a warm start that cannot fit goes on (Note [Warm start at a new size] rule 6).
-
-    Returns:
-        The solver's plan within the warm start's evaluations, and a search from it to
-        continue at later steps when it fits (else ``None``: it has the lowest simulated
-        total peak found, not feasible).
-    """
-    sol = solve(
-        graph.g,
-        graph.candidates,
-        limit,
-        hand=graph.hand,
-        below_reach="total",
-        max_evals=_WARM_EVALS,
-    )
-    option = Option(sol.kept_ops, sol.result, sol.method, sol.feasible)
-    if not sol.feasible:
-        return None, option
-    return solve_from(graph.g, graph.candidates, limit, sol.kept_ops, max_evals=0), option
 
 
 def _done(region: Region | None) -> bool:

@@ -17,7 +17,7 @@ import torch
 import ckpt_graph as cg
 from ckpt_graph.compare.architectures import GPT
 from ckpt_graph.memory import measure
-from ckpt_graph.planner import local_search, seeds, step_budget
+from ckpt_graph.planner import local_search, menus, seeds
 from ckpt_graph.planner import memory_budget as memory_budget_module
 from ckpt_graph.planner.liveness import from_region, kept_ops_of, simulate
 from ckpt_graph.planner.local_search import Refinement
@@ -153,7 +153,7 @@ def solver_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
         return call
 
-    for module in (memory_budget_module, step_budget):
+    for module in (memory_budget_module, menus):
         monkeypatch.setattr(module, "solve", counting("solve", module.solve))
     monkeypatch.setattr(memory_budget_module, "solve_from", counting("solve_from", solve_from))
     return calls

@@ -1,0 +1,79 @@
+"""A region's graph as the budget planner sees it: the ops it may decide, costs, baselines.
+
+Built when a block of the policy exits (``region_graph``), with the activation inputs of
+the region that a step's budget counts (``input_bytes``). See Note [Step budget across
+regions] rule 1.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ckpt_graph.planner.hand_seeds import block_ids, hand_seeds
+from ckpt_graph.planner.liveness import from_region, simulate
+from ckpt_graph.planner.plans import RegionGraph
+from ckpt_graph.planner.solve import candidate_ops
+
+if TYPE_CHECKING:
+    from ckpt_graph.engine.region import Region
+    from ckpt_graph.planner.budget_heuristic import Run
+
+__all__ = ["input_bytes", "region_graph"]
+
+
+def input_bytes(region: Region, since: int, storages: set[int]) -> int:
+    """Bytes of the activation inputs of ``region`` from input ``since`` on, not in ``storages``.
+
+    Region inputs with autograd history (a previous layer's output) are activations
+    the region keeps until its backward; parameters, the batch and other leaves are
+    not. An input the program no longer references (``h = block(h)`` inside a ``with``
+    block rebinds ``h`` before the region exits) lives only in the region's hold of it,
+    and counts too. See Note [Step budget across regions] rule 1.
+    """
+    total = 0
+    for h in region.inputs[since:]:
+        if h.ref is None:
+            continue
+        t = h.ref()
+        if t is None:  # dropped by the program: alive through the region's hold
+            t = h.value if h.offload_device is None else None
+            if t is None:
+                continue
+        elif t.grad_fn is None:
+            continue
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a subclass without storage
+            continue
+        key = storage.data_ptr()
+        if key not in storages:
+            storages.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def region_graph(region: Region, run: Run, costs: dict[int, int]) -> RegionGraph:
+    """The graph of ``run``'s block as the planner sees it, with the ops the plan may decide.
+
+    ``costs``: recompute cost per op index (Note [Recompute cost model]).
+    """
+    end = len(region.nodes)
+    free = []
+    for j in range(run.start, end):
+        answer = run.answers.get(j)
+        node = region.nodes[j]
+        if answer is None or any(o in region.tagged for o in node.outputs):
+            continue
+        is_kept = any(o is not None and o.kept for o in node.outputs)
+        if is_kept == answer:
+            free.append(j)
+    g = from_region(region, costs, free)
+    candidates = candidate_ops(g, free)
+    hand = hand_seeds(g, candidates, block_ids([n.module_path for n in region.nodes]))
+    own = {g.values[v].storage for _, v in g.saved if g.values[v].producer >= run.start}
+    baseline = sum(g.values[s].nbytes for s in own if g.values[s].producer >= 0)
+    outside = simulate(g, []).kept_bytes  # fixed kept storages count against the budget
+    fixed_in = {g.values[v].storage for v in g.fixed if g.values[v].producer >= run.start}
+    outside -= sum(g.values[s].nbytes for s in fixed_in)
+    positions = {j: run.positions[j] for j in candidates if j in run.positions}
+    return RegionGraph(tuple(run.signature), g, candidates, positions, baseline, outside, hand)
