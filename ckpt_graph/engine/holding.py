@@ -8,7 +8,8 @@
 #      op output that is not a view. A region input is the caller's; a view's bytes
 #      belong to its base. The kept new version of a value an in-place op overwrote
 #      is the same memory, counted once (``hold_new_version``); a copy taken before a
-#      write is new memory for an input or a view (``hold_copy``).
+#      write is new memory for an input or a view (``hold_copy``), and for an op output
+#      when another kept value (a written view's new version) still holds its storage.
 #   3. A held value joins the storage index, once that is built (see ``before_write``).
 #   4. A region input that is a leaf (a parameter, a batch) is held as itself, not as an
 #      alias: it has no autograd history that could refer back to the region, and replay
@@ -70,11 +71,11 @@ def hold_new_version(region: Region, old: Handle, h: Handle, t: torch.Tensor) ->
     old.value = None  # superseded: its saved tensors raise the version error
 
 
-def hold_copy(region: Region, h: Handle, copy: torch.Tensor) -> None:
-    """Keep ``copy`` instead of the alias ``h`` held, before a write changes the alias.
-    See Note [Holding values]."""
+def hold_copy(region: Region, h: Handle, copy: torch.Tensor, held: bool = False) -> None:
+    """Keep ``copy`` instead of the alias ``h`` held, before a write changes the alias;
+    ``held``: another kept value still holds the written storage. See Note [Holding values]."""
     h.value = copy
-    if h.node_index < 0 or h.is_view:
+    if h.node_index < 0 or h.is_view or held:
         region.kept_bytes += copy.untyped_storage().nbytes()
     if region._by_storage is not None:
         index_storage(region, h)

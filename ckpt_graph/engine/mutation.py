@@ -151,8 +151,12 @@ def before_write(
             region._by_storage[key] = remaining
         else:
             del region._by_storage[key]
+        # Whether the written storage stays held: a copy is then new memory, even of an op
+        # output (see Note [Holding values], rule 2).
+        moved = {id(k) for k, _ in copied}
+        held = any(k.value is not None and id(k) not in moved for k in entries)
         for k, copy in copied:
-            hold_copy(region, k, copy)
+            hold_copy(region, k, copy, held)
     return overwritten
 
 

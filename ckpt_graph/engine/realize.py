@@ -76,11 +76,15 @@ def unpack_value(region: Region, h: Handle, packed: Any = None) -> torch.Tensor:
     if one_shot or task != state.task:
         begin_pass(region, task)
     try:
+        live = _live_forward(h)  # See Note [Live forward tensors].
         if packed is not None and packed.read == state.number:
             # See Note [Reading a saved tensor again].
-            value = h.cache if h.cache is not None else realize_again(region, h)
+            if live is not None:
+                value = live
+            else:
+                value = h.cache if h.cache is not None else realize_again(region, h)
         else:
-            value = realize(region, h)
+            value = live if live is not None else realize(region, h)
             _release_use(region, state, h)
             if packed is not None:
                 packed.read = state.number
@@ -88,6 +92,34 @@ def unpack_value(region: Region, h: Handle, packed: Any = None) -> torch.Tensor:
         if one_shot:
             end_pass(region)
     return value
+
+
+# Note [Live forward tensors]
+# A recomputed value whose forward tensor the program still holds (the handle's weak
+# reference is alive) and that no write has changed since autograd saved it (the tensor's
+# version is the handle's, its sizes are) is unpacked as that tensor, as eager would,
+# instead of being recomputed. Its memory is the program's anyway: recomputing it held a
+# second copy (an RNN loop's output buffer, which the caller still holds in backward,
+# peaked one buffer above eager), and needed the values it was computed from, which may
+# have been written since (a region input written after the region, which eager never
+# saved, raised the version error where eager runs). Only the unpacked value is taken so:
+# the recomputed inputs of other values are recomputed as before. Use counts are kept as
+# for a realized value (``_release_use``), so its recomputed inputs are freed on time.
+
+
+def _live_forward(h: Handle) -> torch.Tensor | None:
+    """The forward tensor of ``h``, if still held and unchanged. See Note [Live forward
+    tensors]."""
+    t = h.ref() if h.ref is not None else None
+    if (
+        t is None
+        or h.version == -1
+        or version_of(t) != h.version
+        or t.shape != h.shape
+        or t.dtype != h.dtype
+    ):
+        return None
+    return t
 
 
 def _release_use(region: Region, state: PassState, h: Handle) -> None:

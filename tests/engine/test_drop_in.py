@@ -762,13 +762,6 @@ def test_kept_bytes_count_copies_taken_before_a_write() -> None:
     _assert_same([w.grad], want)  # type: ignore[list-item]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="kept_bytes misses a storage the region still holds: the copy of a kept op output "
-    "taken before a write through a kept view keeps the output's count, while the view's new "
-    "version (hold_new_version, not counted: 'the same memory') holds the written storage",
-)
 def test_kept_bytes_count_a_storage_kept_through_a_written_view() -> None:
     w = torch.randn(256, requires_grad=True)
     with cg.save_recompute_policy("must_save_all") as region:

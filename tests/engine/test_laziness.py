@@ -107,6 +107,7 @@ def test_only_the_needed_branch_is_recomputed() -> None:
         a = counted_exp(x)  # saves its output: needed
         b = counted(w)  # saves its input (w, kept): output needed by nobody
         y = a.sum() + b.sum()
+    del a, b  # a value the program still holds is not recomputed (Note [Live forward tensors])
     y.backward()
     assert CALLS["counted_exp"] == 2 and CALLS["counted"] == 1
 
@@ -117,6 +118,7 @@ def test_partial_backward_recomputes_only_its_part() -> None:
         a = counted_exp(x)
         b = counted_exp(w)
         y = (a * 2).sum() + (b * 3).sum()
+    del a, b
     (gx,) = torch.autograd.grad(y, [x], retain_graph=True)
     assert CALLS["counted_exp"] == 3  # two forward calls + a's recompute only
     torch.testing.assert_close(gx, 2 * x.detach().exp(), rtol=0, atol=0)
@@ -129,7 +131,9 @@ def test_long_chain_each_op_recomputed_once() -> None:
         for _ in range(10):
             h = counted_exp(h * 0.1)
     assert CALLS["counted_exp"] == 10
-    h.sum().backward()
+    loss = h.sum()
+    del h  # the last value is recomputed too when the program no longer holds it
+    loss.backward()
     assert CALLS["counted_exp"] == 20
 
 
@@ -245,6 +249,7 @@ def test_inner_policy_applies_only_inside_its_block() -> None:
             a = counted(x)  # kept (inner PREFER_SAVE replaces outer PREFER_RECOMPUTE)
         b = counted(x * 2)  # recomputed (outer only)
         y = a.sin() + b.sin()  # sin saves a and b
+    del a, b
     y.sum().backward()
     assert CALLS["counted"] == 3
 
@@ -267,6 +272,7 @@ def test_tag_overrides_policy(policy: Any, tag: Any, recomputed: bool) -> None:
         out = cg.tag_with_policy(a, tag)
         y = a.cos()
     assert out is None or out is a
+    del a, out
     y.sum().backward()
     assert CALLS["counted_exp"] == (2 if recomputed else 1)
 
