@@ -20,7 +20,9 @@ Prints a markdown table; ``--out`` writes it, ``--plot`` draws peak vs recompute
 (matplotlib, optional).
 
 ``--models gpt-wide`` adds a GPT 4x wider with 2x longer sequences (not run by default: about
-2 min more), where ops are large enough that per-op recording overhead stops deciding step time.
+2 min more), where ops are large enough that per-op recording overhead stops deciding step time;
+``hf-gpt2`` and ``hf-llama`` are transformers' models from small configs (needs transformers),
+architectures the project did not write.
 
 Run: ``python -m benchmarks.bench_pareto [--models gpt mlp cnn gpt-wide] [--out
 benchmarks/results_pareto.md] [--plot p.png]``.
@@ -58,7 +60,12 @@ MODELS: dict[str, dict[str, int]] = {
     # the same GPT 4x wider with 2x longer sequences: ops large enough that the recording's
     # per-op overhead no longer decides the step time (see BENCHMARKS.md §4)
     "gpt-wide": dict(layers=6, width=256, batch=4, seq_len=128),
+    # models the project did not write (transformers' GPT-2 and Llama from small configs):
+    # the planner has no knowledge of their structure beyond what it records
+    "hf-gpt2": dict(layers=4, width=128, batch=4, seq_len=64),
+    "hf-llama": dict(layers=4, width=128, batch=4, seq_len=64),
 }
+ZOO = {"gpt-wide": "gpt"}  # benchmark name -> zoo model, where they differ
 DEFAULT_MODELS = ("gpt", "mlp", "cnn")
 TORCH = ("torch-ckpt", "torch-sqrt", "torch-sac")
 BISECT_STEPS = 7
@@ -144,7 +151,7 @@ class Row:
 
 
 def run_model(name: str, sizes: dict[str, int], steps: int) -> list[Row]:
-    w = build_workload(name.split("-")[0], **sizes)  # type: ignore[arg-type]
+    w = build_workload(ZOO.get(name, name), **sizes)  # type: ignore[arg-type]
     forwards: dict[str, Callable[[], object]] = {"none": make_forward("none", w)}
     for t in TORCH:
         forwards[t] = make_forward(t, w)
