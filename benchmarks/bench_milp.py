@@ -5,8 +5,7 @@ simulator's cost and liveness rules, as Checkmate does with an ILP) solved on gr
 enough, reported next to the solver's plan. The MILP is exact only where
 ``milp.exact_for(g)`` holds (Note [Exact MILP of the backward liveness model]: one output per
 op, no views, no pointwise ops, every backward step saves its op's inputs, no gradient or
-workspace memory) and the recompute cache is unbounded (``exact_for`` does not check that
-one); elsewhere its plan is only a candidate.
+workspace memory, an unbounded recompute cache); elsewhere its plan is only a candidate.
 
 Per case:
 
@@ -136,7 +135,7 @@ def budgets(
 def not_exact_because(g: SimGraph) -> list[str]:
     """Which conditions of ``exact_for`` a graph fails, in words."""
     why = []
-    if g.cache_limit != "unbounded":  # exact_for does not check this one
+    if g.cache_limit != "unbounded":
         why.append(f"cache_limit={g.cache_limit!r}")
     if g.fixed:
         why.append(f"{len(g.fixed)} fixed values")
@@ -537,9 +536,7 @@ def main(argv: list[str] | None = None) -> int:
             bare = dataclasses.replace(
                 g, step_grad_bytes={}, step_grad_in_bytes={}, cache_limit="unbounded"
             )
-            # exact_for does not look at the recompute-cache bound; the MILP ignores it
-            exact = exact_for(g) and g.cache_limit == "unbounded"
-            exact_graph: SimGraph | None = g if exact else None
+            exact_graph: SimGraph | None = g if exact_for(g) else None
             verdict = "exact" if exact_graph is not None else "not exact: " + ", ".join(why)
             up_to = args.enumerate_real
             plans = every_plan(g, cands) if len(cands) <= up_to else None

@@ -7,7 +7,8 @@
 # [Backward liveness model]); only the kept set is chosen. The MILP below encodes that
 # model exactly on graphs where it can be linearised (:func:`exact_for`):
 #   every op has one output, no views, no fixed values, no transient (pointwise) ops, no
-#   gradient or workspace memory, and every op's backward step saves all of its inputs
+#   gradient or workspace memory, an unbounded recompute cache (rule 8's segments drop and
+#   run values again: not modelled), and every op's backward step saves all of its inputs
 #   (and possibly its own output), nothing else.
 # On such graphs memory only grows inside a backward step (a value's last use is an unpack
 # at the step of its first consumer, where it is held until the step ends) and every value
@@ -57,7 +58,7 @@ def exact_for(g: SimGraph) -> bool:
         >>> exact_for(graph)  # doctest: +SKIP
         True
     """
-    if g.fixed or any(g.step_grad_bytes.values()):
+    if g.cache_limit != "unbounded" or g.fixed or any(g.step_grad_bytes.values()):
         return False
     for v, val in enumerate(g.values):
         if val.storage != v or val.is_view:
