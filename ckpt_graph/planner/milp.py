@@ -75,12 +75,19 @@ def exact_for(g: SimGraph) -> bool:
 
 
 def milp_plan(
-    g: SimGraph, candidates: Sequence[int], budget: int, *, time_limit: float = 1.0
+    g: SimGraph,
+    candidates: Sequence[int],
+    budget: int,
+    *,
+    time_limit: float = 1.0,
+    node_limit: int | None = None,
 ) -> MilpResult | None:
     """The kept ops minimising recompute cost within ``budget``, by ``scipy.optimize.milp``.
 
     Exact when :func:`exact_for` holds; otherwise a plan to be checked by the simulator.
-    Returns ``None`` when HiGHS finds no feasible plan within ``time_limit`` seconds.
+    Returns ``None`` when HiGHS finds no feasible plan within its limits: ``time_limit``
+    seconds of wall time and, if given, ``node_limit`` branch-and-bound nodes (a limit that,
+    unlike the time, does not depend on the machine's load).
 
     Example:
         >>> r = milp_plan(graph, candidate_ops(graph), budget=4096)  # doctest: +SKIP
@@ -178,7 +185,11 @@ def milp_plan(
         constraints=LinearConstraint(matrix, lb, ub),
         integrality=integrality,
         bounds=Bounds(np.zeros(nvar), upper),
-        options={"time_limit": time_limit, "disp": False},
+        options={
+            "time_limit": time_limit,
+            "disp": False,
+            **({} if node_limit is None else {"node_limit": node_limit}),
+        },
     )
     if res.x is None:
         return None

@@ -30,8 +30,15 @@
 #      simulated peak. Seeds that do not fit are repaired by the greedy descent of step 2
 #      (up to ``_REPAIR_SEEDS`` candidates; above, only the seeds that fit are used).
 #   5a. Seed "milp" (graphs of <= ``_MILP_OPS`` ops): the plan of the MILP of Note [Exact
-#      MILP of the backward liveness model], solved by HiGHS within ``_MILP_SECONDS``; the
-#      optimum itself on the graphs where that MILP is exact, a candidate elsewhere.
+#      MILP of the backward liveness model], solved by HiGHS within ``_MILP_NODES``
+#      branch-and-bound nodes; the optimum itself on the graphs where that MILP is exact
+#      (when HiGHS proves it within the nodes), a candidate elsewhere. The node limit makes
+#      the plan independent of the machine's load; ``_MILP_SECONDS`` of wall time only bounds
+#      the planning time (HiGHS's root node is not bounded by nodes). (With a limit of 1 s of
+#      wall time, plans of 30-op graphs changed with the load: on the shared 2-core machine
+#      the MILP's 0.35 s of CPU took 3.5 s. Measured on the tests' random graphs: every MILP
+#      of <= 30 ops needs at most 51 nodes and 0.6 s of CPU; some of 40 ops need 2.3 s of
+#      CPU in the root alone, hence 30 ops.)
 #   5b. Hand seeds (Note [Hand seeds]: keep matmuls, block inputs, every k-th block output):
 #      each that fits is a candidate answer as is, so the answer never costs more than a
 #      fitting hand plan; the cheapest one also starts a local search (step 6, with
@@ -104,9 +111,11 @@ SEEDS = ("greedy", "simulated", "min-cut", "segment DP", "milp")
 # Up to this many candidates, graph seeds that do not fit are repaired by greedy descent.
 _REPAIR_SEEDS = 400
 # Up to this many ops, the exact MILP (Note [Exact MILP of the backward liveness model]) is a
-# seed, given at most _MILP_SECONDS.
-_MILP_OPS = 40
-_MILP_SECONDS = 1.0
+# seed, given _MILP_NODES branch-and-bound nodes and, as a bound on the planning time only,
+# _MILP_SECONDS of wall time (see step 5a of the Note).
+_MILP_OPS = 30
+_MILP_NODES = 100
+_MILP_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -186,7 +195,8 @@ def solve(
         seeds: starting points to try, among :data:`SEEDS`.
         hand: hand plans by name (see Note [Hand seeds]): the answer costs at most as much
             as each of them that fits (their method is ``"hand: <name>"``).
-        milp_seconds: time limit of the "milp" seed (graphs of at most ``_MILP_OPS`` ops).
+        milp_seconds: wall-time limit of the "milp" seed (graphs of at most ``_MILP_OPS``
+            ops), a bound on the planning time; its deterministic limit is ``_MILP_NODES``.
         below_reach: when no plan fits, return the one with the lowest simulated
             ``"activations"`` peak (what the step budget's menus compare) or ``"total"`` peak
             (a single region's plan; step 7 of the Note).
@@ -318,7 +328,7 @@ def _starts(
     if "segment DP" in seeds:
         graph_seeds.append(("segment DP", segment_dp_sweep(g, candidates, peak, budget)))
     if "milp" in seeds and len(g.ops) <= _MILP_OPS:
-        exact = milp_plan(g, candidates, budget, time_limit=milp_seconds)
+        exact = milp_plan(g, candidates, budget, time_limit=milp_seconds, node_limit=_MILP_NODES)
         graph_seeds.append(("milp", [] if exact is None else [exact.kept_ops]))
     for name, plans in graph_seeds:
         for plan in plans:
