@@ -51,20 +51,37 @@
 #      never take evaluations from the greedy search). A pass drops kept ops whose recompute
 #      costs nothing; then for each dropped op (most expensive first) keeps it again and
 #      *repairs*: drops kept ops until the plan fits, each drop the best of the ``_TRY``
-#      cheapest per byte by simulation (large plans: the cheapest per byte); a move is
-#      accepted when the repaired plan is cheaper (1-for-1 and 1-for-k swaps). Up to
+#      cheapest per byte by simulation (large plans: the cheapest per byte), and goes on
+#      past the first plan that fits while the descent is cheaper than it (several cheap
+#      drops can beat one expensive drop that fits at once). Up to ``EXCHANGE`` candidates a
+#      move may also keep ops again: inside the repair, when no drop lowers the peak, the op
+#      whose keeping lowers it most cheaply (the peak is not monotone in the kept set:
+#      keeping a value ends a recompute chain that backward would otherwise cache at once),
+#      and after it (*fill*: each dropped op, most expensive first, that still fits and
+#      saves cost). So a move is a chain "keep a, drop b, keep c" that a descent cannot
+#      reach: on a 1-layer GPT (40 ops) the optimum at 45% of the activations keeps GELU's
+#      output instead of the MLP's first matmul and then both residual adds; without these
+#      moves the plan cost +35% (752,384 vs 559,104). (Warm starts, Note [Warm start at a
+#      new size], search without chains.) A move is accepted when it is cheaper. Up to
 #      ``_PAIRS`` candidates it also tries keeping two dropped ops at once. The cheapest
 #      local optimum wins (ties: the earliest seed above); ``Solution.method`` names it.
+#   6a. If no seed and no hand plan fits, the one with the lowest activation peak is changed
+#      by ``Search.lower`` (``max_evals / 4``): the best of dropping, keeping or swapping
+#      one op, until a plan fits (it then starts step 6 under the seed's name) or no move
+#      lowers the peak. Descents only drop, and a swap can lower the peak where no drop
+#      does: on the 1-layer GPT at 40% (29,900 B) every seed stayed at or above 40,960 B and
+#      the plan fell back to 66,176 B, though plans fit down to 28,928 B.
 #   7. If no plan fits (the budget is below what recompute can reach: inputs of every
 #      backward step must exist at once), the plan with the lowest simulated *total* peak
 #      (activations, gradients and workspaces; ties: fewer kept bytes) among all those tried
-#      (seeds, hand plans, keeping nothing) is returned with ``feasible=False`` and the
-#      caller warns (``below_reach="total"``, a single region's plan; the step budget's
-#      menus compare regions by activation peak and get the lowest of that). The total, not the activation peak: a user below reach wants the lowest
-#      real peak, and the total is the simulator's estimate of it. (Before, the choice was
-#      the lowest activation peak among the seeds only: on the 4-layer GPT of notebook 03 it
-#      measured 3.68 MiB where keeping every block input measures 3.41 MiB, above
-#      ``torch.utils.checkpoint`` per block's 3.56 MiB.)
+#      (seeds, step 6a, hand plans, keeping nothing) is returned with ``feasible=False`` and
+#      the caller warns (``below_reach="total"``, a single region's plan; the step budget's
+#      menus compare regions by activation peak and get the lowest of that). The total, not
+#      the activation peak: a user below reach wants the lowest real peak, and the total is
+#      the simulator's estimate of it. (Before, the choice was the lowest activation peak
+#      among the seeds only: on the 4-layer GPT of notebook 03 it measured 3.68 MiB where
+#      keeping every block input measures 3.41 MiB, above ``torch.utils.checkpoint`` per
+#      block's 3.56 MiB.)
 # What each part contributes (measured, simulator of this commit; details in
 # benchmarks/results_budget.md): on random 16-op graphs (tests' generator, 150 graphs x 3
 # budgets, <= 18 candidates) the greedy + simulated seeds alone were more than 5% above the
@@ -221,6 +238,14 @@ def solve(
         ]  # see Note [Hand seeds]
         hand_fit = [t for t in hand_all if t[0].peak_bytes <= budget]
         search.extra += search.evals - spent  # not taken from the greedy search
+    tried = [(r, k, name) for name, r, k in starts] + hand_all
+    if tried and not hand_fit and all(t[0].peak_bytes > budget for t in tried):
+        # step 6a: lower the lowest plan by drops, keeps and swaps (not from greedy's share)
+        low, low_kept, name = min(tried, key=lambda t: (t[0].peak_bytes, t[0].recompute_cost))
+        spent = search.evals
+        search.limit = search.evals + max_evals // 4
+        starts.append((name, *search.lower(candidates, set(low_kept))))
+        search.extra += search.evals - spent
     fitting: dict[frozenset[int], tuple[str, SimResult]] = {}
     for name, r, k in starts:
         if r.peak_bytes <= budget:
@@ -294,7 +319,7 @@ def solve_from(
         >>> ref is None or ref.result.peak_bytes <= budget  # doctest: +SKIP
         True
     """
-    search = Search(g, budget, max_evals, cache_marginals=True)
+    search = Search(g, budget, max_evals, cache_marginals=True, chains=False)
     kept = set(start) & set(candidates)
     r = search.sim(kept)
     if r.peak_bytes > budget:
