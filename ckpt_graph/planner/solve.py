@@ -48,23 +48,27 @@
 #   6. Local search from the greedy seeds that fit, sharing ``max_evals`` (simulations and
 #      marginal-cost sweeps, each O(ops); simulations are cached), then from the cheapest
 #      fitting plan of each graph seed with ``max_evals / 4`` more each (so the graph seeds
-#      never take evaluations from the greedy search). A pass drops kept ops whose recompute
-#      costs nothing; then for each dropped op (most expensive first) keeps it again and
-#      *repairs*: drops kept ops until the plan fits, each drop the best of the ``_TRY``
-#      cheapest per byte by simulation (large plans: the cheapest per byte), and goes on
-#      past the first plan that fits while the descent is cheaper than it (several cheap
-#      drops can beat one expensive drop that fits at once). Up to ``EXCHANGE`` candidates a
-#      move may also keep ops again: inside the repair, when no drop lowers the peak, the op
-#      whose keeping lowers it most cheaply (the peak is not monotone in the kept set:
-#      keeping a value ends a recompute chain that backward would otherwise cache at once),
-#      and after it (*fill*: each dropped op, most expensive first, that still fits and
-#      saves cost). So a move is a chain "keep a, drop b, keep c" that a descent cannot
-#      reach: on a 1-layer GPT (40 ops) the optimum at 45% of the activations keeps GELU's
-#      output instead of the MLP's first matmul and then both residual adds; without these
-#      moves the plan cost +35% (752,384 vs 559,104). (Warm starts, Note [Warm start at a
-#      new size], search without chains.) A move is accepted when it is cheaper. Up to
-#      ``_PAIRS`` candidates it also tries keeping two dropped ops at once. The cheapest
-#      local optimum wins (ties: the earliest seed above); ``Solution.method`` names it.
+#      never take evaluations from the greedy search). ``max_evals`` is by default a fixed
+#      amount of work, ``search_evals``: 1000 evaluations on graphs of >= 360 ops, more on
+#      smaller ones (6,000 at 60 ops), whose evaluations are cheaper. (A fixed 1000 stopped
+#      the search on 60-op graphs at +95% above the optimum where 20,000 reach it.) A pass
+#      drops kept ops whose recompute costs nothing; then for each dropped op (most
+#      expensive first) keeps it again and *repairs*: drops kept ops until the plan fits,
+#      each drop the best of the ``_TRY`` cheapest per byte by simulation (large plans: the
+#      cheapest per byte), and goes on past the first plan that fits while the descent is
+#      cheaper than it (several cheap drops can beat one expensive drop that fits at once).
+#      Up to ``EXCHANGE`` candidates a move may also keep ops again: inside the repair, when
+#      no drop lowers the peak, the op whose keeping lowers it most cheaply (the peak is not
+#      monotone in the kept set: keeping a value ends a recompute chain that backward would
+#      otherwise cache at once), and after it (*fill*: each dropped op, most expensive
+#      first, that still fits and saves cost). So a move is a chain "keep a, drop b, keep c"
+#      that a descent cannot reach: on a 1-layer GPT (40 ops) the optimum at 45% of the
+#      activations keeps GELU's output instead of the MLP's first matmul and then both
+#      residual adds; without these moves the plan cost +35% (752,384 vs 559,104). (Warm
+#      starts, Note [Warm start at a new size], search without chains.) A move is accepted
+#      when it is cheaper. Up to ``_PAIRS`` candidates it also tries keeping two dropped ops
+#      at once. The cheapest local optimum wins (ties: the earliest seed above);
+#      ``Solution.method`` names it.
 #   6a. If no seed and no hand plan fits, the one with the lowest activation peak is changed
 #      by ``Search.lower`` (``max_evals / 4``): the best of dropping, keeping or swapping
 #      one op, until a plan fits (it then starts step 6 under the seed's name) or no move
@@ -118,6 +122,7 @@ __all__ = [
     "Solution",
     "brute_force",
     "candidate_ops",
+    "search_evals",
     "solve",
     "solve_from",
 ]
@@ -133,6 +138,9 @@ _REPAIR_SEEDS = 400
 _MILP_OPS = 30
 _MILP_NODES = 100
 _MILP_SECONDS = 5.0
+# The local search's evaluations: _SEARCH_WORK op visits, at least _MIN_EVALS (search_evals).
+_MIN_EVALS = 1000
+_SEARCH_WORK = 360_000
 
 
 @dataclass(frozen=True)
@@ -196,7 +204,7 @@ def solve(
     candidates: Sequence[int],
     budget: int,
     *,
-    max_evals: int = 1000,
+    max_evals: int | None = None,
     seeds: Sequence[str] = SEEDS,
     hand: Mapping[str, Iterable[int]] | None = None,
     milp_seconds: float = _MILP_SECONDS,
@@ -208,7 +216,8 @@ def solve(
         g: the region's graph.
         candidates: ops the plan may keep (see :func:`candidate_ops`).
         budget: bytes the simulated activation peak of backward may reach.
-        max_evals: simulations and marginal-cost sweeps the local search may spend.
+        max_evals: simulations and marginal-cost sweeps the local search may spend;
+            ``None``: :func:`search_evals` (step 6 of the Note).
         seeds: starting points to try, among :data:`SEEDS`.
         hand: hand plans by name (see Note [Hand seeds]): the answer costs at most as much
             as each of them that fits (their method is ``"hand: <name>"``).
@@ -222,6 +231,8 @@ def solve(
         >>> sol = solve(graph, candidate_ops(graph), budget=graph.saved_bytes() // 2)  # doctest: +SKIP
         >>> sol.feasible, sol.result.recompute_cost, sol.method  # doctest: +SKIP
     """
+    if max_evals is None:
+        max_evals = search_evals(g)
     search = Search(g, budget, max_evals)
     kept = set(candidates)
     first = search.sim(kept)
@@ -289,6 +300,20 @@ def solve(
         plans, key=lambda t: (t[0].recompute_cost, order.get(t[2], len(order)))
     )
     return Solution(frozenset(best_kept), best, True, name)
+
+
+def search_evals(g: SimGraph) -> int:
+    """Evaluations of the local search on ``g``: a fixed amount of work, not of moves.
+
+    An evaluation walks the graph once (O(ops)), so ``_SEARCH_WORK`` op visits are 1000
+    evaluations on graphs of 360 ops and more (the 381-op GPT of bench_budget plans as
+    before) and more evaluations on smaller graphs. See Note [Memory budget planning] step 6.
+
+    Example:
+        >>> search_evals(graph_of_60_ops)  # doctest: +SKIP
+        6000
+    """
+    return max(_MIN_EVALS, _SEARCH_WORK // max(len(g.ops), 1))
 
 
 def solve_from(
