@@ -5,16 +5,16 @@ simulator's cost and liveness rules, as Checkmate does with an ILP) solved on gr
 enough, reported next to the solver's plan. The MILP is exact only where
 ``milp.exact_for(g)`` holds (Note [Exact MILP of the backward liveness model]: one output per
 op, no views, no pointwise ops, every backward step saves its op's inputs, no gradient or
-workspace memory) and the recompute cache is unbounded (``exact_for`` does not check that
-one); elsewhere its plan is only a candidate.
+workspace memory, an unbounded recompute cache); elsewhere its plan is only a candidate.
 
 Per case:
 
 - *solver*: ``planner.solve.solve`` as ``memory_budget`` calls it (default seeds; a recorded
-  region's hand plans). On graphs of at most 40 ops its seeds include the MILP itself,
-  limited to 1 s of wall time, so it reaches the optimum whenever HiGHS proves it in time;
+  region's hand plans; its default search effort, ``search_evals``). On graphs of at most
+  30 ops its seeds include the MILP itself, limited to 100 branch-and-bound nodes (and 5 s
+  of wall time), so it reaches the optimum whenever HiGHS proves it within them;
 - *heuristics*: ``solve`` without the MILP seed (greedy, simulated, min-cut, segment DP):
-  the heuristics' own distance, and the solver's on graphs above 40 ops;
+  the heuristics' own distance, and the solver's on graphs above 30 ops;
 - *optimum*: ``milp_plan`` with ``--time-limit`` seconds (*proved*: HiGHS proved it optimal;
   else it is the best plan found and the gap is to that plan), or enumeration of every plan.
   Checks: the MILP's plan must simulate to its objective within the budget, enumeration
@@ -136,7 +136,7 @@ def budgets(
 def not_exact_because(g: SimGraph) -> list[str]:
     """Which conditions of ``exact_for`` a graph fails, in words."""
     why = []
-    if g.cache_limit != "unbounded":  # exact_for does not check this one
+    if g.cache_limit != "unbounded":
         why.append(f"cache_limit={g.cache_limit!r}")
     if g.fixed:
         why.append(f"{len(g.fixed)} fixed values")
@@ -280,7 +280,7 @@ def run_case(
     budget: int,
     *,
     time_limit: float,
-    max_evals: int,
+    max_evals: int | None,
     plans: Plans | None,
     exact_graph: SimGraph | None,
     hand: Any = None,
@@ -421,6 +421,7 @@ def report(
 ) -> str:
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    evals = "search_evals (360,000 / ops, >= 1000)" if args.max_evals is None else args.max_evals
     lines = [
         "## Distance to the optimum (bench_milp.py)",
         "",
@@ -428,12 +429,12 @@ def report(
         f"{platform.python_version()}, torch {torch.__version__}, scipy {scipy.__version__} "
         f"(HiGHS); load average at the end {load}; {seconds:.0f} s in all. Random graphs: "
         f"sizes {args.sizes}, {args.seeds} seeds each; budgets at {args.fractions} of the way "
-        f"from the lowest peak to the highest; solve's max_evals {args.max_evals}; MILP time "
+        f"from the lowest peak to the highest; solve's max_evals {evals}; MILP time "
         f"limit {args.time_limit:g} s; times "
         "are process CPU seconds.",
         "",
-        "*solver* = `solve` as `memory_budget` calls it (its seeds include the MILP, 1 s of "
-        "wall time, on graphs of <= 40 ops); *heuristics* = `solve` without the MILP seed; "
+        "*solver* = `solve` as `memory_budget` calls it (its seeds include the MILP, 100 "
+        "nodes, on graphs of <= 30 ops); *heuristics* = `solve` without the MILP seed; "
         "*optimum* = `milp_plan` (*proved*: HiGHS proved it optimal) or enumeration; gap = "
         "cost / optimum - 1.",
         "",
@@ -491,7 +492,10 @@ def main(argv: list[str] | None = None) -> int:
         help="budgets, as fractions of the way from the lowest peak to the highest",
     )
     parser.add_argument(
-        "--max-evals", type=int, default=1000, help="solve's max_evals (its default: 1000)"
+        "--max-evals",
+        type=int,
+        default=None,
+        help="solve's max_evals (default: solve's own, search_evals: 360,000 / ops, >= 1000)",
     )
     parser.add_argument("--time-limit", type=float, default=60.0, help="MILP seconds per case")
     parser.add_argument(
@@ -537,9 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             bare = dataclasses.replace(
                 g, step_grad_bytes={}, step_grad_in_bytes={}, cache_limit="unbounded"
             )
-            # exact_for does not look at the recompute-cache bound; the MILP ignores it
-            exact = exact_for(g) and g.cache_limit == "unbounded"
-            exact_graph: SimGraph | None = g if exact else None
+            exact_graph: SimGraph | None = g if exact_for(g) else None
             verdict = "exact" if exact_graph is not None else "not exact: " + ", ".join(why)
             up_to = args.enumerate_real
             plans = every_plan(g, cands) if len(cands) <= up_to else None

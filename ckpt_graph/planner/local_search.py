@@ -1,6 +1,6 @@
 """Local search on plans, verified by the simulator: greedy descent, repair, improvement.
 
-The moves of steps 2 and 6 of Note [Memory budget planning] (in ``solve``), with an
+The moves of steps 2, 6 and 6a of Note [Memory budget planning] (in ``solve``), with an
 evaluation limit and a simulation cache.
 """
 
@@ -12,14 +12,17 @@ from collections.abc import Iterable, Sequence
 
 from ckpt_graph.planner.liveness import SimGraph, SimResult, simulate
 
-__all__ = ["SIM_GUIDED", "Refinement", "Search"]
+__all__ = ["EXCHANGE", "SIM_GUIDED", "Refinement", "Search"]
 
 # Up to this many kept ops, repairs pick each drop by simulating every choice.
 SIM_GUIDED = 48
 # Up to this many candidates, local search also tries keeping two dropped ops at once.
 _PAIRS = 24
-# Repairs simulate at most this many drops per step (the cheapest per byte).
+# Repairs simulate at most this many drops (keeps) per step (the cheapest per byte).
 _TRY = 8
+# Up to this many candidates, a move of the local search may also keep dropped ops again:
+# inside its repair and after it (fill). See Note [Memory budget planning] step 6.
+EXCHANGE = 64
 
 
 def _run_cost(g: SimGraph, kept: Sequence[bool]) -> int:
@@ -59,9 +62,21 @@ class Search:
     """Simulator-verified moves on plans, with an evaluation limit and a simulation cache."""
 
     def __init__(
-        self, g: SimGraph, budget: int, max_evals: int, *, cache_marginals: bool = False
+        self,
+        g: SimGraph,
+        budget: int,
+        max_evals: int,
+        *,
+        cache_marginals: bool = False,
+        chains: bool = True,
     ) -> None:
         self.g = g
+        # moves as chains (step 6 of Note [Memory budget planning]): repairs go on past the
+        # first plan that fits and, up to EXCHANGE candidates, keep ops again. Off for warm
+        # starts, whose search runs a few evaluations per training step: there chains
+        # tripled the steps to the search's end (35 -> 103 on the 2-layer GPT of
+        # tests/planner/test_budget_shapes.py) for the same plan.
+        self.chains = chains
         self.budget = budget
         self.limit = max_evals
         self.evals = 0
@@ -127,34 +142,108 @@ class Search:
                 lowest, lowest_kept = r, kept
         return (r, kept) if r.peak_bytes <= self.budget else (lowest, lowest_kept)
 
-    def repair(self, trial: set[int], added: int) -> tuple[SimResult, set[int]]:
-        """Drop kept ops until the plan fits: the cheapest per byte of peak it removes."""
+    def repair(
+        self, trial: set[int], added: int, adds: Iterable[int] = ()
+    ) -> tuple[SimResult, set[int]]:
+        """Change kept ops until the plan fits; the cheapest plan that fits on the way.
+
+        Each step drops the kept op that costs least per byte of peak it removes or, when no
+        drop lowers the peak, keeps an op of ``adds`` again if that lowers it (keeping a value
+        can end a recompute chain whose values backward would otherwise cache at once). Once
+        a step could fit, the descent goes on while it stays cheaper than that plan (a 1-for-3
+        swap of cheap drops beats one expensive drop that fits at once). Each op changes at
+        most once; ``added`` is never dropped. See Note [Memory budget planning] step 6.
+        """
         r = self.sim(trial)
+        frozen = {added}
+        fit: tuple[SimResult, set[int]] | None = None  # the cheapest plan seen that fits
         while r.peak_bytes > self.budget and not self.spent:
-            pool = trial - {added}
+            if fit is not None and r.recompute_cost >= fit[0].recompute_cost:
+                break
+            pool = trial - frozen
             if not pool:
                 break
             if len(pool) > SIM_GUIDED:
                 op = min(pool, key=lambda o: self.marginal(o, trial))
                 trial = trial - {op}
+                frozen.add(op)
                 r = self.sim(trial)
                 continue
             if len(pool) > _TRY:  # simulate only the cheapest drops per byte
                 pool = set(sorted(pool, key=lambda o: self.marginal(o, trial))[:_TRY])
             trials = [(self.sim(trial - {o}), o) for o in sorted(pool)]
+            if all(t[0].peak_bytes >= r.peak_bytes for t in trials):
+                more = set(adds) - trial - frozen
+                if len(more) > _TRY:  # the most recompute saved per byte
+                    more = set(sorted(more, key=lambda o: -self.marginal(o, trial | {o}))[:_TRY])
+                ups = [(self.sim(trial | {o}), o) for o in sorted(more)]
+                trials += [t for t in ups if t[0].peak_bytes < r.peak_bytes]
             fits = [t for t in trials if t[0].peak_bytes <= self.budget]
             if fits:
-                r, op = min(fits, key=lambda t: t[0].recompute_cost)
-            else:
-                r, op = min(
-                    trials,
-                    key=lambda t: (
-                        (t[0].recompute_cost - r.recompute_cost + 1)
-                        / max(r.peak_bytes - t[0].peak_bytes, 1e-3)
-                    ),
-                )
-            trial = trial - {op}
+                t = min(fits, key=lambda t: t[0].recompute_cost)
+                if fit is None or t[0].recompute_cost < fit[0].recompute_cost:
+                    fit = (t[0], trial ^ {t[1]})
+                if not self.chains:
+                    return fit
+            before = r
+            r, op = min(
+                trials,
+                key=lambda t: (
+                    (t[0].recompute_cost - before.recompute_cost + 1)
+                    / max(before.peak_bytes - t[0].peak_bytes, 1e-3)
+                ),
+            )
+            trial = trial ^ {op}
+            frozen.add(op)
+        if fit is not None and (
+            r.peak_bytes > self.budget or fit[0].recompute_cost < r.recompute_cost
+        ):
+            return fit
         return r, trial
+
+    def lower(self, candidates: Sequence[int], kept: set[int]) -> tuple[SimResult, set[int]]:
+        """Lower the peak of a plan that does not fit (Note [Memory budget planning] step 6a).
+
+        Each step makes the best move of one op dropped, kept again or swapped for another:
+        the cheapest that fits (and stop), else the lowest peak; it stops when no move lowers
+        the peak. Above ``_TRY`` kept (dropped) ops, only the ``_TRY`` cheapest per byte
+        (saving most per byte) are tried.
+        """
+        r = self.sim(kept)
+        cands = set(candidates)
+        while r.peak_bytes > self.budget and not self.spent:
+            drops, adds = sorted(kept), sorted(cands - kept)
+            if len(drops) > _TRY:
+                drops = sorted(drops, key=lambda o: self.marginal(o, kept))[:_TRY]
+            if len(adds) > _TRY:
+                adds = sorted(adds, key=lambda o: -self.marginal(o, kept | {o}))[:_TRY]
+            moves = [kept - {o} for o in drops] + [kept | {o} for o in adds]
+            moves += [(kept - {a}) | {b} for a in drops for b in adds]
+            tried: list[tuple[SimResult, set[int]]] = []
+            for m in moves:
+                if self.spent:
+                    break
+                tried.append((self.sim(m), m))
+            fits = [t for t in tried if t[0].peak_bytes <= self.budget]
+            if fits:
+                return min(fits, key=lambda t: t[0].recompute_cost)
+            low = min(tried, key=lambda t: (t[0].peak_bytes, t[0].recompute_cost), default=None)
+            if low is None or low[0].peak_bytes >= r.peak_bytes:
+                break
+            r, kept = low
+        return r, kept
+
+    def fill(
+        self, candidates: Sequence[int], r: SimResult, kept: set[int]
+    ) -> tuple[SimResult, set[int]]:
+        """Keep dropped ops again, most expensive first, while the plan fits and gets cheaper."""
+        for op in sorted(set(candidates) - kept, key=lambda o: -self.g.ops[o].cost):
+            if self.spent:
+                break
+            t = self.sim(kept | {op})
+            if t.peak_bytes <= self.budget and t.recompute_cost < r.recompute_cost:
+                r, kept = t, kept | {op}
+        return r, kept
 
     def improve(
         self, candidates: Sequence[int], best: SimResult, kept: set[int]
@@ -168,10 +257,13 @@ class Search:
                 if r.recompute_cost <= best.recompute_cost and r.peak_bytes <= self.budget:
                     kept, best = kept - {op}, r
             dropped = sorted(set(candidates) - kept, key=lambda o: -self.g.ops[o].cost)
+            exchange = self.chains and len(candidates) <= EXCHANGE
             for op in dropped:
                 if self.spent:
                     break
-                r, trial = self.repair(kept | {op}, op)
+                r, trial = self.repair(kept | {op}, op, candidates if exchange else ())
+                if r.peak_bytes <= self.budget and exchange:
+                    r, trial = self.fill(candidates, r, trial)
                 if r.peak_bytes <= self.budget and r.recompute_cost < best.recompute_cost:
                     kept, best, improved = trial, r, True
             if improved or len(candidates) > _PAIRS:

@@ -7,7 +7,8 @@
 # [Backward liveness model]); only the kept set is chosen. The MILP below encodes that
 # model exactly on graphs where it can be linearised (:func:`exact_for`):
 #   every op has one output, no views, no fixed values, no transient (pointwise) ops, no
-#   gradient or workspace memory, and every op's backward step saves all of its inputs
+#   gradient or workspace memory, an unbounded recompute cache (rule 8's segments drop and
+#   run values again: not modelled), and every op's backward step saves all of its inputs
 #   (and possibly its own output), nothing else.
 # On such graphs memory only grows inside a backward step (a value's last use is an unpack
 # at the step of its first consumer, where it is held until the step ends) and every value
@@ -57,7 +58,7 @@ def exact_for(g: SimGraph) -> bool:
         >>> exact_for(graph)  # doctest: +SKIP
         True
     """
-    if g.fixed or any(g.step_grad_bytes.values()):
+    if g.cache_limit != "unbounded" or g.fixed or any(g.step_grad_bytes.values()):
         return False
     for v, val in enumerate(g.values):
         if val.storage != v or val.is_view:
@@ -74,12 +75,19 @@ def exact_for(g: SimGraph) -> bool:
 
 
 def milp_plan(
-    g: SimGraph, candidates: Sequence[int], budget: int, *, time_limit: float = 1.0
+    g: SimGraph,
+    candidates: Sequence[int],
+    budget: int,
+    *,
+    time_limit: float = 1.0,
+    node_limit: int | None = None,
 ) -> MilpResult | None:
     """The kept ops minimising recompute cost within ``budget``, by ``scipy.optimize.milp``.
 
     Exact when :func:`exact_for` holds; otherwise a plan to be checked by the simulator.
-    Returns ``None`` when HiGHS finds no feasible plan within ``time_limit`` seconds.
+    Returns ``None`` when HiGHS finds no feasible plan within its limits: ``time_limit``
+    seconds of wall time and, if given, ``node_limit`` branch-and-bound nodes (a limit that,
+    unlike the time, does not depend on the machine's load).
 
     Example:
         >>> r = milp_plan(graph, candidate_ops(graph), budget=4096)  # doctest: +SKIP
@@ -177,7 +185,11 @@ def milp_plan(
         constraints=LinearConstraint(matrix, lb, ub),
         integrality=integrality,
         bounds=Bounds(np.zeros(nvar), upper),
-        options={"time_limit": time_limit, "disp": False},
+        options={
+            "time_limit": time_limit,
+            "disp": False,
+            **({} if node_limit is None else {"node_limit": node_limit}),
+        },
     )
     if res.x is None:
         return None

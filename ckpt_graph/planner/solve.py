@@ -30,8 +30,17 @@
 #      simulated peak. Seeds that do not fit are repaired by the greedy descent of step 2
 #      (up to ``_REPAIR_SEEDS`` candidates; above, only the seeds that fit are used).
 #   5a. Seed "milp" (graphs of <= ``_MILP_OPS`` ops): the plan of the MILP of Note [Exact
-#      MILP of the backward liveness model], solved by HiGHS within ``_MILP_SECONDS``; the
-#      optimum itself on the graphs where that MILP is exact, a candidate elsewhere.
+#      MILP of the backward liveness model], solved by HiGHS within ``_MILP_NODES``
+#      branch-and-bound nodes; the optimum itself on the graphs where that MILP is exact
+#      (when HiGHS proves it within the nodes), a candidate elsewhere. The node limit makes
+#      the plan independent of the machine's load; ``_MILP_SECONDS`` of wall time only bounds
+#      the planning time (HiGHS's root node is not bounded by nodes). (With a limit of 1 s of
+#      wall time, plans of 30-op graphs changed with the load: on the shared 2-core machine
+#      the MILP's 0.35 s of CPU took 3.5 s. Measured on bench_milp's random graphs: every
+#      MILP of <= 30 ops is proved optimal within 60 nodes, in up to 3.5 s of CPU, 2.3 s of
+#      it in the root; at 40 ops some take 15 s, hence 30 ops. Where the root outlasts the
+#      wall time, the plan may still depend on the load; there the other seeds reached the
+#      same optimum in every case measured, and ties go to them.)
 #   5b. Hand seeds (Note [Hand seeds]: keep matmuls, block inputs, every k-th block output):
 #      each that fits is a candidate answer as is, so the answer never costs more than a
 #      fitting hand plan; the cheapest one also starts a local search (step 6, with
@@ -41,23 +50,44 @@
 #   6. Local search from the greedy seeds that fit, sharing ``max_evals`` (simulations and
 #      marginal-cost sweeps, each O(ops); simulations are cached), then from the cheapest
 #      fitting plan of each graph seed with ``max_evals / 4`` more each (so the graph seeds
-#      never take evaluations from the greedy search). A pass drops kept ops whose recompute
-#      costs nothing; then for each dropped op (most expensive first) keeps it again and
-#      *repairs*: drops kept ops until the plan fits, each drop the best of the ``_TRY``
-#      cheapest per byte by simulation (large plans: the cheapest per byte); a move is
-#      accepted when the repaired plan is cheaper (1-for-1 and 1-for-k swaps). Up to
-#      ``_PAIRS`` candidates it also tries keeping two dropped ops at once. The cheapest
-#      local optimum wins (ties: the earliest seed above); ``Solution.method`` names it.
+#      never take evaluations from the greedy search). ``max_evals`` is by default a fixed
+#      amount of work, ``search_evals``: 1000 evaluations on graphs of >= 360 ops, more on
+#      smaller ones (6,000 at 60 ops), whose evaluations are cheaper. (A fixed 1000 stopped
+#      the search on 60-op graphs at +95% above the optimum where 20,000 reach it.) A pass
+#      drops kept ops whose recompute costs nothing; then for each dropped op (most
+#      expensive first) keeps it again and *repairs*: drops kept ops until the plan fits,
+#      each drop the best of the ``_TRY`` cheapest per byte by simulation (large plans: the
+#      cheapest per byte), and goes on past the first plan that fits while the descent is
+#      cheaper than it (several cheap drops can beat one expensive drop that fits at once).
+#      Up to ``EXCHANGE`` candidates a move may also keep ops again: inside the repair, when
+#      no drop lowers the peak, the op whose keeping lowers it most cheaply (the peak is not
+#      monotone in the kept set: keeping a value ends a recompute chain that backward would
+#      otherwise cache at once), and after it (*fill*: each dropped op, most expensive
+#      first, that still fits and saves cost). So a move is a chain "keep a, drop b, keep c"
+#      that a descent cannot reach: on a 1-layer GPT (40 ops) the optimum at 45% of the
+#      activations keeps GELU's output instead of the MLP's first matmul and then both
+#      residual adds; without these moves the plan cost +35% (752,384 vs 559,104). (Warm
+#      starts, Note [Warm start at a new size], search without chains.) A move is accepted
+#      when it is cheaper. Up to ``_PAIRS`` candidates it also tries keeping two dropped ops
+#      at once. The cheapest local optimum wins (ties: the earliest seed above);
+#      ``Solution.method`` names it.
+#   6a. If no seed and no hand plan fits, the one with the lowest activation peak is changed
+#      by ``Search.lower`` (``max_evals / 4``): the best of dropping, keeping or swapping
+#      one op, until a plan fits (it then starts step 6 under the seed's name) or no move
+#      lowers the peak. Descents only drop, and a swap can lower the peak where no drop
+#      does: on the 1-layer GPT at 40% (29,900 B) every seed stayed at or above 40,960 B and
+#      the plan fell back to 66,176 B, though plans fit down to 28,928 B.
 #   7. If no plan fits (the budget is below what recompute can reach: inputs of every
 #      backward step must exist at once), the plan with the lowest simulated *total* peak
 #      (activations, gradients and workspaces; ties: fewer kept bytes) among all those tried
-#      (seeds, hand plans, keeping nothing) is returned with ``feasible=False`` and the
-#      caller warns (``below_reach="total"``, a single region's plan; the step budget's
-#      menus compare regions by activation peak and get the lowest of that). The total, not the activation peak: a user below reach wants the lowest
-#      real peak, and the total is the simulator's estimate of it. (Before, the choice was
-#      the lowest activation peak among the seeds only: on the 4-layer GPT of notebook 03 it
-#      measured 3.68 MiB where keeping every block input measures 3.41 MiB, above
-#      ``torch.utils.checkpoint`` per block's 3.56 MiB.)
+#      (seeds, step 6a, hand plans, keeping nothing) is returned with ``feasible=False`` and
+#      the caller warns (``below_reach="total"``, a single region's plan; the step budget's
+#      menus compare regions by activation peak and get the lowest of that). The total, not
+#      the activation peak: a user below reach wants the lowest real peak, and the total is
+#      the simulator's estimate of it. (Before, the choice was the lowest activation peak
+#      among the seeds only: on the 4-layer GPT of notebook 03 it measured 3.68 MiB where
+#      keeping every block input measures 3.41 MiB, above ``torch.utils.checkpoint`` per
+#      block's 3.56 MiB.)
 # What each part contributes (measured, simulator of this commit; details in
 # benchmarks/results_budget.md): on random 16-op graphs (tests' generator, 150 graphs x 3
 # budgets, <= 18 candidates) the greedy + simulated seeds alone were more than 5% above the
@@ -67,7 +97,11 @@
 # seed's local optimum was 4.4% cheaper at 20%; at 30-90% the greedy seed's was the cheapest
 # (or tied). There the graph seeds add about 1 s of planning (1.0-1.7 s per plan in all on a
 # shared 2-core machine, vs 0.2-0.5 s with the greedy seeds only). On a 2000-op elementwise
-# chain at 30% only the segment DP found a plan that fits (7 s).
+# chain at 30% only the segment DP found a plan that fits (7 s). On bench_milp's random graphs
+# (12-60 ops, 120 cases, benchmarks/results_milp.md) the plans are at the MILP optimum in 115,
+# below HiGHS's unproved plan in 2, at most 4.6% above it in 3 (60 ops); with 1000
+# evaluations and the moves of step 6 before chains, 109 of 120 on that run's budgets (worst
+# +95%), and on a recorded 1-layer GPT the plan missed by 35% or found none (steps 6, 6a).
 # ``brute_force`` enumerates every subset (reference for tests on graphs of <= 18 candidates).
 """
 
@@ -94,6 +128,7 @@ __all__ = [
     "Solution",
     "brute_force",
     "candidate_ops",
+    "search_evals",
     "solve",
     "solve_from",
 ]
@@ -104,9 +139,14 @@ SEEDS = ("greedy", "simulated", "min-cut", "segment DP", "milp")
 # Up to this many candidates, graph seeds that do not fit are repaired by greedy descent.
 _REPAIR_SEEDS = 400
 # Up to this many ops, the exact MILP (Note [Exact MILP of the backward liveness model]) is a
-# seed, given at most _MILP_SECONDS.
-_MILP_OPS = 40
-_MILP_SECONDS = 1.0
+# seed, given _MILP_NODES branch-and-bound nodes and, as a bound on the planning time only,
+# _MILP_SECONDS of wall time (see step 5a of the Note).
+_MILP_OPS = 30
+_MILP_NODES = 100
+_MILP_SECONDS = 5.0
+# The local search's evaluations: _SEARCH_WORK op visits, at least _MIN_EVALS (search_evals).
+_MIN_EVALS = 1000
+_SEARCH_WORK = 360_000
 
 
 @dataclass(frozen=True)
@@ -170,7 +210,7 @@ def solve(
     candidates: Sequence[int],
     budget: int,
     *,
-    max_evals: int = 1000,
+    max_evals: int | None = None,
     seeds: Sequence[str] = SEEDS,
     hand: Mapping[str, Iterable[int]] | None = None,
     milp_seconds: float = _MILP_SECONDS,
@@ -182,11 +222,13 @@ def solve(
         g: the region's graph.
         candidates: ops the plan may keep (see :func:`candidate_ops`).
         budget: bytes the simulated activation peak of backward may reach.
-        max_evals: simulations and marginal-cost sweeps the local search may spend.
+        max_evals: simulations and marginal-cost sweeps the local search may spend;
+            ``None``: :func:`search_evals` (step 6 of the Note).
         seeds: starting points to try, among :data:`SEEDS`.
         hand: hand plans by name (see Note [Hand seeds]): the answer costs at most as much
             as each of them that fits (their method is ``"hand: <name>"``).
-        milp_seconds: time limit of the "milp" seed (graphs of at most ``_MILP_OPS`` ops).
+        milp_seconds: wall-time limit of the "milp" seed (graphs of at most ``_MILP_OPS``
+            ops), a bound on the planning time; its deterministic limit is ``_MILP_NODES``.
         below_reach: when no plan fits, return the one with the lowest simulated
             ``"activations"`` peak (what the step budget's menus compare) or ``"total"`` peak
             (a single region's plan; step 7 of the Note).
@@ -195,6 +237,8 @@ def solve(
         >>> sol = solve(graph, candidate_ops(graph), budget=graph.saved_bytes() // 2)  # doctest: +SKIP
         >>> sol.feasible, sol.result.recompute_cost, sol.method  # doctest: +SKIP
     """
+    if max_evals is None:
+        max_evals = search_evals(g)
     search = Search(g, budget, max_evals)
     kept = set(candidates)
     first = search.sim(kept)
@@ -211,6 +255,14 @@ def solve(
         ]  # see Note [Hand seeds]
         hand_fit = [t for t in hand_all if t[0].peak_bytes <= budget]
         search.extra += search.evals - spent  # not taken from the greedy search
+    tried = [(r, k, name) for name, r, k in starts] + hand_all
+    if tried and not hand_fit and all(t[0].peak_bytes > budget for t in tried):
+        # step 6a: lower the lowest plan by drops, keeps and swaps (not from greedy's share)
+        low, low_kept, name = min(tried, key=lambda t: (t[0].peak_bytes, t[0].recompute_cost))
+        spent = search.evals
+        search.limit = search.evals + max_evals // 4
+        starts.append((name, *search.lower(candidates, set(low_kept))))
+        search.extra += search.evals - spent
     fitting: dict[frozenset[int], tuple[str, SimResult]] = {}
     for name, r, k in starts:
         if r.peak_bytes <= budget:
@@ -256,6 +308,20 @@ def solve(
     return Solution(frozenset(best_kept), best, True, name)
 
 
+def search_evals(g: SimGraph) -> int:
+    """Evaluations of the local search on ``g``: a fixed amount of work, not of moves.
+
+    An evaluation walks the graph once (O(ops)), so ``_SEARCH_WORK`` op visits are 1000
+    evaluations on graphs of 360 ops and more (the 381-op GPT of bench_budget plans as
+    before) and more evaluations on smaller graphs. See Note [Memory budget planning] step 6.
+
+    Example:
+        >>> search_evals(graph_of_60_ops)  # doctest: +SKIP
+        6000
+    """
+    return max(_MIN_EVALS, _SEARCH_WORK // max(len(g.ops), 1))
+
+
 def solve_from(
     g: SimGraph,
     candidates: Sequence[int],
@@ -284,7 +350,7 @@ def solve_from(
         >>> ref is None or ref.result.peak_bytes <= budget  # doctest: +SKIP
         True
     """
-    search = Search(g, budget, max_evals, cache_marginals=True)
+    search = Search(g, budget, max_evals, cache_marginals=True, chains=False)
     kept = set(start) & set(candidates)
     r = search.sim(kept)
     if r.peak_bytes > budget:
@@ -318,7 +384,7 @@ def _starts(
     if "segment DP" in seeds:
         graph_seeds.append(("segment DP", segment_dp_sweep(g, candidates, peak, budget)))
     if "milp" in seeds and len(g.ops) <= _MILP_OPS:
-        exact = milp_plan(g, candidates, budget, time_limit=milp_seconds)
+        exact = milp_plan(g, candidates, budget, time_limit=milp_seconds, node_limit=_MILP_NODES)
         graph_seeds.append(("milp", [] if exact is None else [exact.kept_ops]))
     for name, plans in graph_seeds:
         for plan in plans:
