@@ -46,7 +46,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 import ckpt_graph as cg
-from ckpt_graph.compare.strategies import make_forward
+from ckpt_graph.compare.strategies import StrategySkipped, make_forward
 from ckpt_graph.compare.zoo import Workload, build_workload
 from ckpt_graph.memory import measure
 from ckpt_graph.policies import MemoryBudget, memory_budget
@@ -154,14 +154,18 @@ def run_model(name: str, sizes: dict[str, int], steps: int) -> list[Row]:
     w = build_workload(ZOO.get(name, name), **sizes)  # type: ignore[arg-type]
     forwards: dict[str, Callable[[], object]] = {"none": make_forward("none", w)}
     for t in TORCH:
-        forwards[t] = make_forward(t, w)
+        try:
+            forwards[t] = make_forward(t, w)
+        except StrategySkipped as e:  # e.g. HF blocks take more than a tensor: no groups
+            print(f"{name}: {t} skipped ({e})")
+    torch_configs = [t for t in TORCH if t in forwards]
     for f in forwards.values():
         step(w, f)  # warm-up
     rows: dict[str, Row] = {}
     base_flops = flops_of(w, forwards["none"])
     for key, f in forwards.items():
         rows[key] = Row(name, key, peak_of(w, f), flops_of(w, f) - base_flops)
-    for t in TORCH:
+    for t in torch_configs:
         t0 = time.perf_counter()
         fraction, f, policy = bisect_budget(w, rows[t].peak)
         plan_s = time.perf_counter() - t0
