@@ -497,18 +497,22 @@ def test_write_through_dot_data_after_a_save_names_dot_data() -> None:
     assert "op #0" in str(err.value) and "inplace operation" not in str(err.value)
 
 
-# Documented limit for now (README, Known limitations; core bug #12): `h.data = ...` (set_data)
-# bypasses both dispatch and version counters. Strict, so that support shows up as an XPASS.
+# Documented limit (README, Known limitations): `h.data = ...` (set_data) bypasses both
+# dispatch and version counters. Strict, so that support shows up as an XPASS.
 # An in-place op on `h.data` is seen (as a write through a `detach` alias): the next use of `h`
 # takes its current value as a kept snapshot, as for any write through another alias.
-_BUG12 = pytest.mark.xfail(reason="core bug #12 (documented limit), see notes", strict=True)
+_SET_DATA = pytest.mark.xfail(
+    reason="`h.data = ...` bypasses dispatch and version counters: the region cannot see it "
+    "(README, Known limitations)",
+    strict=True,
+)
 
 
 @pytest.mark.parametrize(
     ("fn", "policy"),
     [
-        pytest.param(_set_data, "recompute_all", marks=_BUG12),
-        pytest.param(_set_data, "must_save_all", marks=_BUG12),
+        pytest.param(_set_data, "recompute_all", marks=_SET_DATA),
+        pytest.param(_set_data, "must_save_all", marks=_SET_DATA),
         (_data_inplace, "recompute_all"),
         (_data_inplace, "must_save_all"),
     ],
