@@ -5,37 +5,27 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 import ckpt_graph as cg
 from ckpt_graph.compare.zoo import build_workload
-from ckpt_graph.planner.cost_model import op_cost
+from ckpt_graph.planner.cost_model import recorded_costs
 from ckpt_graph.planner.liveness import SimGraph, from_region, simulate
 from ckpt_graph.planner.solve import candidate_ops, solve
 
 
-class _Costs:
-    """A policy that abstains and records each op's recompute cost as memory_budget does."""
-
-    def __init__(self, flops_per_byte: float) -> None:
-        self.fpb = flops_per_byte
-        self.costs: dict[int, int] = {}
-
-    def __call__(self, ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> None:
-        moved = ctx.out_bytes + sum(
-            a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)
-        )
-        self.costs[ctx.op_index] = op_cost(ctx.flops, moved, self.fpb)
+def _abstain(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> None:
+    """A policy that leaves every op to the engine's default: the graph is what is planned."""
 
 
 def gpt_layer() -> SimGraph:
     """The graph of a 1-layer zoo GPT (41 ops, 15 candidates), every op left to plans."""
     w = build_workload("gpt", layers=1, width=32, batch=2, seq_len=16)
-    rec = _Costs(2.0)
-    with cg.save_recompute_policy(rec) as region:
+    with cg.save_recompute_policy(_abstain) as region:
         out = w.model(*w.inputs)
     out.float().pow(2).mean().backward()
-    return from_region(region, rec.costs, range(len(region.nodes)))
+    return from_region(
+        region, recorded_costs(region, range(len(region.nodes)), 2.0), range(len(region.nodes))
+    )
 
 
 @pytest.mark.slow

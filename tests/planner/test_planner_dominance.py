@@ -11,7 +11,12 @@ import torch
 
 import ckpt_graph as cg
 from ckpt_graph.compare.zoo import build_workload
-from ckpt_graph.planner.cost_model import calibrated_flops_per_byte, op_cost, parse_budget
+from ckpt_graph.planner.cost_model import (
+    calibrated_flops_per_byte,
+    op_cost,
+    parse_budget,
+    recorded_costs,
+)
 from ckpt_graph.planner.hand_seeds import block_ids, hand_seeds
 from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue, from_region, simulate
 from ckpt_graph.planner.solve import candidate_ops, solve
@@ -212,18 +217,8 @@ def test_without_hand_seeds_the_solver_misses_plans_that_hand_plans_fit() -> Non
     ]
 
 
-class _Costs:
-    """A policy that abstains and records each op's recompute cost as memory_budget does."""
-
-    def __init__(self, flops_per_byte: float) -> None:
-        self.fpb = flops_per_byte
-        self.costs: dict[int, int] = {}
-
-    def __call__(self, ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> None:
-        moved = ctx.out_bytes + sum(
-            a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)
-        )
-        self.costs[ctx.op_index] = op_cost(ctx.flops, moved, self.fpb)
+def _abstain(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> None:
+    """A policy that leaves every op to the engine's default: the graph is what is planned."""
 
 
 @pytest.mark.parametrize(
@@ -238,11 +233,12 @@ def test_plan_costs_at_most_every_fitting_hand_plan_on_zoo_models(
     model: str, sizes: dict[str, int]
 ) -> None:
     w = build_workload(model, **sizes)  # type: ignore[arg-type]
-    rec = _Costs(2.0)
-    with cg.save_recompute_policy(rec) as region:
+    with cg.save_recompute_policy(_abstain) as region:
         out = w.model(*w.inputs)
     w.loss(out).backward()
-    g = from_region(region, rec.costs, range(len(region.nodes)))  # every op left to plans
+    g = from_region(
+        region, recorded_costs(region, range(len(region.nodes)), 2.0), range(len(region.nodes))
+    )  # every op left to plans
     blocks = block_ids([n.module_path for n in region.nodes])
     assert max(blocks) == sizes["layers"] - 1
     seeds = hand_seeds(g, candidate_ops(g), blocks)
