@@ -79,10 +79,9 @@ def unpack_value(region: Region, h: Handle, packed: Any = None) -> torch.Tensor:
         live = _live_forward(h)  # See Note [Live forward tensors].
         if packed is not None and packed.read == state.number:
             # See Note [Reading a saved tensor again].
-            if live is not None:
-                value = live
-            else:
-                value = h.cache if h.cache is not None else realize_again(region, h)
+            value = live if live is not None else h.cache
+            if value is None:
+                value = realize_again(region, h)
         else:
             value = live if live is not None else realize(region, h)
             _release_use(region, state, h)
