@@ -373,6 +373,25 @@ def test_saved_parameter_keeps_identity_for_main_grad() -> None:
     torch.testing.assert_close(w.main_grad, x.detach().sin().t() @ torch.ones(2, 4))  # type: ignore[attr-defined]
 
 
+def _check_random_backward(
+    fwd: Callable[[], torch.Tensor], params: list[torch.Tensor], policy: Any, retain: bool
+) -> None:
+    """Gradients of a random ``fwd`` under ``policy`` equal eager's, from a generator seeded
+    as eager's was, also in a second backward (``retain``)."""
+    want = _grads(fwd, params, seed=3)
+    torch.manual_seed(3)
+    with cg.save_recompute_policy(policy):
+        y = fwd()
+    torch.manual_seed(4)  # replay must not depend on the stream's position
+    y.backward(retain_graph=retain)
+    _assert_same([p.grad for p in params], want)  # type: ignore[misc]
+    if retain:
+        for p in params:
+            p.grad = None
+        y.backward()
+        _assert_same([p.grad for p in params], want)  # type: ignore[misc]
+
+
 # ------------------------------------------------------------ item 6: RReLU in training mode
 
 
@@ -389,18 +408,7 @@ def test_rrelu_training_gradients(policy: Any, retain: bool) -> None:
         h = act(lin(x) * 2)
         return (act(h.sin()) * h).sum()
 
-    want = _grads(fwd, params, seed=3)
-    torch.manual_seed(3)
-    with cg.save_recompute_policy(policy):
-        y = fwd()
-    torch.manual_seed(4)  # replay must not depend on the stream's position
-    y.backward(retain_graph=retain)
-    _assert_same([p.grad for p in params], want)  # type: ignore[misc]
-    if retain:
-        for p in params:
-            p.grad = None
-        y.backward()
-        _assert_same([p.grad for p in params], want)  # type: ignore[misc]
+    _check_random_backward(fwd, params, policy, retain)
 
 
 @pytest.mark.parametrize("policy", ["recompute_all", "must_save_all", policies.save_matmuls()])
@@ -424,18 +432,7 @@ def test_inplace_rrelu_training_gradients(policy: Any, retain: bool, act: str) -
         h = rrelu(lin(x) * 2)
         return (rrelu(h.sin()) * h.cos()).sum()
 
-    want = _grads(fwd, params, seed=3)
-    torch.manual_seed(3)
-    with cg.save_recompute_policy(policy):
-        y = fwd()
-    torch.manual_seed(4)
-    y.backward(retain_graph=retain)
-    _assert_same([p.grad for p in params], want)  # type: ignore[misc]
-    if retain:
-        for p in params:
-            p.grad = None
-        y.backward()
-        _assert_same([p.grad for p in params], want)  # type: ignore[misc]
+    _check_random_backward(fwd, params, policy, retain)
 
 
 def test_rrelu_noise_write_bumps_no_version() -> None:
