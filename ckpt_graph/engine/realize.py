@@ -79,9 +79,8 @@ def unpack_value(region: Region, h: Handle, packed: Any = None) -> torch.Tensor:
         live = _live_forward(h)  # See Note [Live forward tensors].
         if packed is not None and packed.read == state.number:
             # See Note [Reading a saved tensor again].
-            value = live if live is not None else h.cache
-            if value is None:
-                value = realize_again(region, h)
+            held = live if live is not None else h.cache
+            value = held if held is not None else realize_again(region, h)
         else:
             value = live if live is not None else realize(region, h)
             _release_use(region, state, h)
