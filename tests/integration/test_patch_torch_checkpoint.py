@@ -162,11 +162,17 @@ def test_a_thread_follows_its_own_block_else_the_last_entered() -> None:
 
 
 def test_backward_after_the_block_under_a_torch_checkpoint_bound_before() -> None:
+    # The program: the outer torch checkpoint (bound at import) replays `outer` in
+    # backward after the block; its inner call must take the path of the forward.
+    x, w = _leaves()
+
+    def outer(h: torch.Tensor) -> torch.Tensor:
+        return tc.checkpoint(_inner, h.cos(), w, use_reentrant=False).tanh()
+
     expected = _grads(_eager)
     spy = _Spy()
     with cg.patch_torch_checkpoint(spy):
-        x, w = _leaves()
-        y = checkpoint_bound_at_import(_outer, x, w, use_reentrant=False)
+        y = checkpoint_bound_at_import(outer, x, use_reentrant=False)
     y.sum().backward()  # torch replays nothing: both calls ran in regions
     assert len(spy.regions) == 1  # the inner call pushed onto the outer call's region
     _same([x.grad, w.grad], expected)  # type: ignore[list-item]
