@@ -346,10 +346,12 @@ def test_transformers_gradient_checkpointing_is_routed() -> None:
     pytest.importorskip("transformers")
     from .hf_models import batch, build, grads
 
-    for kind in ("gpt2", "llama"):
+    # transformers' default checkpoint kwargs for llama (torch's reentrant variant), and
+    # use_reentrant=False for gpt2
+    for kind, options in (("gpt2", {"use_reentrant": False}), ("llama", None)):
         expected = grads(build(kind, layers=2), batch())
         model = build(kind, layers=2)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
         spy = _Spy()
         with cg.patch_torch_checkpoint(spy) as patch:
             got = grads(model, batch())
