@@ -210,7 +210,9 @@ def wrap(
 
     Returns:
         ``model`` itself. Wrapping again is idempotent (an already wrapped module only takes
-        the new ``policy``).
+        the new ``policy``). Logs ``describe_wrapped(model)`` at INFO on the ``ckpt_graph``
+        logger; the regions are labelled ``"ckpt_graph.wrap: <name> (<class>)"`` (See Note
+        [Integrations say when they are active]).
 
     Raises:
         ValueError: nothing in ``model`` matched.
