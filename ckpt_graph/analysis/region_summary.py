@@ -68,6 +68,7 @@ class RegionSummary:
         recomputed_ops_total: ops recomputed over all passes.
         peak_cached_bytes: highest bytes of recomputed values cached at once in the last
             pass, as the engine counts them (every cached handle, views included).
+        opened_by: the integration that opened the region (``Region.opened_by``), or ``""``.
 
     Example:
         >>> s = region.summary()
@@ -91,6 +92,7 @@ class RegionSummary:
     recomputed_ops_last_pass: int
     recomputed_ops_total: int
     peak_cached_bytes: int
+    opened_by: str = ""
 
     @property
     def total_kept_bytes(self) -> int:
@@ -98,7 +100,8 @@ class RegionSummary:
         return sum(v for k, v in self.kept_bytes.items() if k not in ("input", "snapshot"))
 
     def __str__(self) -> str:
-        rows: list[tuple[str, str]] = [
+        rows: list[tuple[str, str]] = [("opened by", self.opened_by)] if self.opened_by else []
+        rows += [
             ("ops recorded", str(self.ops)),
             ("tensors saved by autograd", f"{self.saved_tensors} ({fmt_bytes(self.saved_bytes)})"),
             ("region inputs (kept by reference)", fmt_bytes(self.kept_bytes["input"])),
@@ -203,4 +206,5 @@ def summary(region: Region) -> RegionSummary:
         recomputed_ops_last_pass=region._pass.recomputed_ops,
         recomputed_ops_total=sum(n.realized for n in region.nodes),
         peak_cached_bytes=region._pass.peak_cached_bytes,
+        opened_by=region.opened_by,
     )

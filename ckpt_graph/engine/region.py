@@ -59,6 +59,9 @@ class Region:
             against their value at region exit (checksums; see Note [Kept value checks]).
         cache_limit: bound on the recomputed values a backward pass caches: bytes, ``None``
             (automatic) or ``"unbounded"`` (see Note [Bounded recompute cache]).
+        opened_by: which integration opened the region (``"ckpt_graph.wrap: layers.3
+            (Block)"``), or ``""`` for a plain ``save_recompute_policy`` block (see Note
+            [Integrations say when they are active]).
 
     Invariants:
         Nothing outside refers to a region except the packed saved tensors autograd holds
@@ -108,6 +111,7 @@ class Region:
         self._kept_sums: dict[Handle, tuple[float, float, float]] = {}  # when debug
         self._globals: tuple[Any, ...] | None = None  # See Note [Replay globals].
         self.tagged: set[Handle] = set()  # values tag_with_policy decided for
+        self.opened_by = ""  # See Note [Integrations say when they are active].
 
     # ----------------------------------------------------------------- lifecycle
     def _open_region(self) -> None:

@@ -10,7 +10,9 @@
 # imported when ``CheckpointCallback`` is first looked up (a module ``__getattr__``), so that
 # ``ckpt_graph.integrations.lightning`` imports without it; the class derives from the
 # ``Callback`` of ``pytorch_lightning`` if installed, else of ``lightning.pytorch`` (a Trainer
-# of the other package would not accept it: Lightning checks ``isinstance``).
+# of the other package would not accept it: Lightning checks ``isinstance``). At fit start the
+# callback logs what ``wrap`` installed on Lightning's logger as well as on ``ckpt_graph``'s
+# (See Note [Integrations say when they are active]).
 #
 # Without the callback, the same is one line in ``configure_model``:
 #     def configure_model(self):
@@ -20,22 +22,24 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 from ckpt_graph._errors import CkptGraphImportError
-from ckpt_graph.integrations.wrap import unwrap, wrap
+from ckpt_graph.integrations.wrap import describe_wrapped, unwrap, wrap
 
 __all__ = ["CheckpointCallback"]  # noqa: F822  (built by the module __getattr__)
 
 
-def _lightning_callback_base() -> type:
+def _lightning_callback_base() -> tuple[type, str]:
+    """Lightning's ``Callback`` class and the name of its package's logger."""
     for name in ("pytorch_lightning", "lightning.pytorch"):
         try:
             module = importlib.import_module(name)
         except ImportError:
             continue
         base: type = module.Callback
-        return base
+        return base, name
     raise CkptGraphImportError(
         "ckpt_graph: integrations.lightning.CheckpointCallback needs PyTorch Lightning "
         "(pip install pytorch_lightning, or lightning); without it call "
@@ -44,7 +48,7 @@ def _lightning_callback_base() -> type:
 
 
 def _callback_class() -> type:
-    base = _lightning_callback_base()
+    base, logger_name = _lightning_callback_base()
 
     class CheckpointCallback(base):  # type: ignore[misc,valid-type]
         """Wrap the LightningModule's blocks in ckpt_graph regions for ``Trainer.fit``.
@@ -68,6 +72,8 @@ def _callback_class() -> type:
 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             wrap(pl_module, policy=self.policy, match=self.match)
+            if getattr(trainer, "is_global_zero", True):
+                logging.getLogger(logger_name).info("ckpt_graph: %s", describe_wrapped(pl_module))
 
         def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
             if stage == "fit":

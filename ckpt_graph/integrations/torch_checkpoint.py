@@ -1,8 +1,8 @@
-"""Drop-ins for ``torch.utils.checkpoint``: ``checkpoint_sequential`` and a scoped global patch.
+"""Drop-ins for ``torch.utils.checkpoint``: ``checkpoint_sequential`` and a scoped patch.
 
 ``ckpt_graph.checkpoint`` itself takes torch's keyword arguments (see Note [checkpoint as a
 drop-in for torch's] in api.py); this module adds torch's sequential helper and a context
-manager that makes code calling ``torch.utils.checkpoint.checkpoint`` use regions.
+manager that makes code calling torch's checkpoint (however it bound the name) use regions.
 
 Example:
     >>> import ckpt_graph as cg
@@ -13,16 +13,15 @@ Example:
 
 from __future__ import annotations
 
-import functools
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils import checkpoint as torch_checkpoint
 
 from ckpt_graph._errors import CkptGraphError
 from ckpt_graph.engine.api import checkpoint
+from ckpt_graph.integrations.activity import announce, describe_policy
+from ckpt_graph.integrations.torch_routing import enter_block, exit_block
 
 __all__ = ["checkpoint_sequential", "patch_torch_checkpoint"]
 
@@ -86,28 +85,33 @@ def _run_range(fns: list[Callable[..., Any]], start: int, end: int) -> Callable[
 
 
 # Note [Patching torch's checkpoint]
-# ``patch_torch_checkpoint`` replaces the attributes ``checkpoint`` and
-# ``checkpoint_sequential`` of the module ``torch.utils.checkpoint`` while it is entered, so
-# that code calling ``torch.utils.checkpoint.checkpoint(...)`` (an attribute lookup at call
-# time) opens regions instead. On exit the attributes it found are put back, also when the
-# block raises. Rules:
-#   1. The patch is process-wide (a module attribute): it also affects other threads during
-#      the block. Entries nest; each exit restores what its entry found, so blocks must be
-#      left in reverse order (``with`` does that); one left out of order raises.
-#   2. A name bound before the block (``from torch.utils.checkpoint import checkpoint`` at
-#      import time, as transformers does) still refers to torch's function: the patch cannot
-#      reach it. For transformers models use ``ckpt_graph.integrations.transformers.enable``.
-#   3. Backward may run after the block: the regions opened inside it are complete objects and
-#      need no patch to recompute.
+# ``patch_torch_checkpoint`` makes torch's checkpoint open regions while it is entered, for
+# every way of reaching it (the attribute, a name bound at import, torch's
+# ``checkpoint_wrapper``, the composable ``checkpoint(module)``): it replaces the internals that
+# torch's module looks up at call time, not the public functions. See Note [Routing torch's
+# checkpoint calls] in torch_routing.py for how, and for the rules of threads and of backward
+# after the block. In short:
+#   1. Blocks are counted: entered in several threads, and left in any order, torch's
+#      internals are put back when the last one leaves (also when a block raises).
+#   2. The region's policy is the block's. Keywords of the call that torch passes to the
+#      function (``policy=`` included) reach the function.
+#   3. Backward may run after the block: regions are complete objects, and a torch checkpoint
+#      replayed in backward takes, for each call inside it, the decision its forward took.
+#   4. The block logs an INFO line on the ``ckpt_graph`` logger when entered and when left
+#      (how many calls ran in regions); ``calls`` counts them.
 
 
 class patch_torch_checkpoint:
-    """Make ``torch.utils.checkpoint.checkpoint`` open ckpt_graph regions inside the block.
+    """Make torch's checkpoint open ckpt_graph regions inside the block.
 
-    See Note [Patching torch's checkpoint] for the scope of the patch.
+    Reaches ``torch.utils.checkpoint.checkpoint`` however the caller bound it (see Note
+    [Patching torch's checkpoint]); ``checkpoint_sequential`` goes through it too.
 
     Args:
-        policy: the policy of every region the patched functions open.
+        policy: the policy of every region the patched calls open.
+
+    Attributes:
+        calls: torch checkpoint calls that ran in regions of this block so far.
 
     Example:
         >>> with cg.patch_torch_checkpoint(policy=cg.policies.save_matmuls()):  # doctest: +SKIP
@@ -115,40 +119,34 @@ class patch_torch_checkpoint:
         >>> loss.backward()
     """
 
-    _lock = threading.Lock()
-
     def __init__(self, policy: Any = "recompute_all") -> None:
         self.policy = policy
-        self._saved: tuple[Any, Any] | None = None
-        self._installed: tuple[Any, Any] | None = None
+        self.calls = 0
+        self._entered: list[Any] | None = None
 
     def __enter__(self) -> patch_torch_checkpoint:
-        if self._saved is not None:
+        if self._entered is not None:
             raise CkptGraphError(
                 "ckpt_graph: a patch_torch_checkpoint block cannot be entered twice"
             )
-        patched = (
-            functools.partial(checkpoint, policy=self.policy),
-            functools.partial(checkpoint_sequential, policy=self.policy),
+        self._entered = enter_block(self)
+        announce(
+            "patch_torch_checkpoint: torch.utils.checkpoint calls run in ckpt_graph regions "
+            f"(policy={describe_policy(self.policy)})"
         )
-        with self._lock:
-            self._saved = (torch_checkpoint.checkpoint, torch_checkpoint.checkpoint_sequential)
-            torch_checkpoint.checkpoint, torch_checkpoint.checkpoint_sequential = patched  # type: ignore[assignment]
-        self._installed = patched
         return self
 
     def __exit__(self, *exc: object) -> None:
-        assert self._saved is not None and self._installed is not None
-        with self._lock:
-            current = (torch_checkpoint.checkpoint, torch_checkpoint.checkpoint_sequential)
-            if current != self._installed:
-                raise CkptGraphError(
-                    "ckpt_graph: patch_torch_checkpoint blocks were left out of order (or "
-                    "torch.utils.checkpoint.checkpoint was replaced inside the block); leave "
-                    "nested blocks in reverse order of entry, e.g. with `with` statements"
-                )
-            torch_checkpoint.checkpoint, torch_checkpoint.checkpoint_sequential = self._saved
-        self._saved = self._installed = None
+        if self._entered is None:
+            raise CkptGraphError(
+                "ckpt_graph: a patch_torch_checkpoint block was left without being entered"
+            )
+        exit_block(self, self._entered)
+        self._entered = None
+        announce(
+            f"patch_torch_checkpoint: left; {self.calls} torch.utils.checkpoint "
+            f"call{'' if self.calls == 1 else 's'} ran in ckpt_graph regions"
+        )
 
     def __repr__(self) -> str:
         return f"patch_torch_checkpoint(policy={self.policy!r})"

@@ -41,6 +41,7 @@
 
 from __future__ import annotations
 
+import logging
 import types
 import warnings
 from collections.abc import Callable
@@ -55,12 +56,15 @@ from ckpt_graph._errors import (
     CkptGraphValueError,
 )
 from ckpt_graph.engine.api import checkpoint
+from ckpt_graph.engine.region import current_region
+from ckpt_graph.integrations.activity import announce, describe_modules, describe_policy
 
 # CheckpointCallback is built by the module __getattr__ (transformers imported then).
 __all__ = [  # noqa: F822
     "CheckpointCallback",
     "HFCheckpointFunction",
     "check",
+    "describe",
     "disable",
     "enable",
     "is_enabled",
@@ -90,11 +94,42 @@ class HFCheckpointFunction:
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # constant under dynamo; False when eager
             return _checkpoint_eagerly(self.policy, function, args, {**self.options, **kwargs})
+        if current_region() is None:  # the region this call opens says who opened it
+            function = _Labelled(function)
         return checkpoint(function, *args, policy=self.policy, **self.options, **kwargs)
 
     def __repr__(self) -> str:
         options = "".join(f", {k}={v!r}" for k, v in self.options.items())
         return f"HFCheckpointFunction(policy={self.policy!r}{options})"
+
+
+class _Labelled:
+    """A layer's checkpointed function that labels the region it runs in first.
+
+    See Note [Integrations say when they are active].
+    """
+
+    __slots__ = ("function",)
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        region = current_region()
+        if region is not None:
+            region.opened_by = f"transformers.enable: {_layer_name(self.function)}"
+        return self.function(*args, **kwargs)
+
+
+def _layer_name(function: Callable[..., Any]) -> str:
+    """The class of the layer whose ``__call__`` transformers checkpoints (a ``partial``)."""
+    target = getattr(function, "func", function)
+    owner = getattr(target, "__self__", None)
+    bound = getattr(function, "args", ())  # partial(forward, layer, ...) in transformers 5
+    for candidate in (owner, bound[0] if bound else None):
+        if isinstance(candidate, torch.nn.Module):
+            return type(candidate).__name__
+    return str(getattr(target, "__qualname__", type(target).__name__))
 
 
 @torch._dynamo.disable  # type: ignore[untyped-decorator,misc]
@@ -178,6 +213,7 @@ def enable(model: torch.nn.Module, policy: Any = "recompute_all", every_n_layers
     for name in _ENTRY_POINTS:  # See Note [Surviving gradient_checkpointing_enable]
         if hasattr(type(pretrained), name):
             setattr(pretrained, name, types.MethodType(_enable_from_hf, pretrained))
+    announce(describe(pretrained))  # See Note [Integrations say when they are active].
     return model
 
 
@@ -230,6 +266,8 @@ def _enable_from_hf(
             "gradient_checkpointing_kwargs={'policy': ckpt_graph.policies.offload(...)}"
         )
     _install(model, policy, every_n_layers, options)
+    # Called by the Trainer (or the user): say it among transformers' own lines too.
+    announce(describe(model), logging.getLogger("transformers.modeling_utils"))
 
 
 def disable(model: torch.nn.Module) -> Any:
@@ -260,10 +298,70 @@ def is_enabled(model: torch.nn.Module) -> bool:
     )
 
 
-def check(model: torch.nn.Module) -> bool:
-    """Warn if a model ``enable`` was called on now checkpoints with another function.
+def _checkpointing_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers that checkpoint now (transformers' ``GradientCheckpointingLayer``s whose
+    flag is on; on older transformers every flagged submodule)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # transformers < 4.52: no common layer class
+        layer_class: Any = torch.nn.Module
+    else:
+        layer_class = GradientCheckpointingLayer
+    return [
+        m
+        for m in model.modules()
+        if m is not model
+        and isinstance(m, layer_class)
+        and getattr(m, "gradient_checkpointing", False)
+    ]
 
-    See Note [Surviving gradient_checkpointing_enable], rule 4.
+
+def describe(model: torch.nn.Module) -> str:
+    """One line saying how the model's layers checkpoint now: through ckpt_graph (how many,
+    which policy), with another function, or not at all.
+
+    See Note [Integrations say when they are active].
+
+    Example:
+        >>> cg_hf.describe(cg_hf.enable(model))  # doctest: +SKIP
+        "transformers: GPT2LMHeadModel: 2 modules (GPT2Block x2) checkpoint through ckpt_graph
+        regions (policy='recompute_all')"
+    """
+    layers = _checkpointing_layers(model)
+    head = f"transformers: {type(model).__name__}:"
+    if not layers:
+        return f"{head} gradient checkpointing is off (no layer checkpoints)"
+    functions = {m: getattr(m, "_gradient_checkpointing_func", None) for m in layers}
+    ours = [m for m, f in functions.items() if isinstance(f, HFCheckpointFunction)]
+    parts = []
+    if ours:
+        policies = {describe_policy(getattr(functions[m], "policy", None)): None for m in ours}
+        parts.append(
+            f"{describe_modules(ours)} checkpoint through ckpt_graph regions "
+            f"(policy={', '.join(policies)})"
+        )
+    others = [m for m in layers if m not in ours]
+    if others:
+        names = {_function_name(functions[m]): None for m in others}
+        parts.append(
+            f"{describe_modules(others)} checkpoint with {', '.join(names)}, not ckpt_graph"
+        )
+    return f"{head} {'; '.join(parts)}"
+
+
+def _function_name(function: Any) -> str:
+    target = getattr(function, "func", function)  # transformers binds a partial of torch's
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or repr(target)
+    return f"{module}.{name}" if module else name
+
+
+def check(model: torch.nn.Module) -> bool:
+    """Log how the model checkpoints; warn if a model ``enable`` was called on now
+    checkpoints with another function.
+
+    The INFO line on the ``ckpt_graph`` logger is ``describe(model)``. See Note [Surviving
+    gradient_checkpointing_enable], rule 4.
 
     Returns:
         Whether the model is as ``enable`` left it (or was never enabled).
@@ -274,6 +372,7 @@ def check(model: torch.nn.Module) -> bool:
         >>> cg_hf.check(model)  # warns, returns False
         False
     """
+    announce(describe(model))
     if _POLICY_ATTR not in model.__dict__:
         return True
     foreign = {
@@ -330,5 +429,7 @@ def _callback_class() -> type:
             if self.policy is not None and not is_enabled(model):
                 enable(model, self.policy, self.every_n_layers)
             check(model)
+            # See Note [Integrations say when they are active], rule 2.
+            logging.getLogger("transformers.trainer").info("ckpt_graph: %s", describe(model))
 
     return CheckpointCallback

@@ -41,9 +41,14 @@ from typing import Any
 import torch
 
 from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
-from ckpt_graph.engine.api import save_recompute_policy
+from ckpt_graph.integrations.activity import (
+    announce,
+    describe_modules,
+    describe_policy,
+    labelled_region,
+)
 
-__all__ = ["RegionForward", "is_wrapped", "unwrap", "wrap"]
+__all__ = ["RegionForward", "describe_wrapped", "is_wrapped", "unwrap", "wrap"]
 
 Match = str | type[torch.nn.Module] | tuple[type[torch.nn.Module], ...]
 MatchFn = Callable[[str, torch.nn.Module], bool]
@@ -57,6 +62,8 @@ class RegionForward:
         policy: the policy of the region (as given to ``wrap``).
         previous: the instance ``forward`` attribute the module had before, or ``None``
             (then ``type(module).forward`` is called).
+        label: ``Region.opened_by`` of the regions it opens (Note [Integrations say when they
+            are active]).
 
     Example:
         >>> block = torch.nn.Linear(4, 4)
@@ -65,12 +72,15 @@ class RegionForward:
         'RegionForward'
     """
 
-    __slots__ = ("module", "policy", "previous")
+    __slots__ = ("label", "module", "policy", "previous")
 
-    def __init__(self, module: torch.nn.Module, policy: Any, previous: Any) -> None:
+    def __init__(
+        self, module: torch.nn.Module, policy: Any, previous: Any, label: str = ""
+    ) -> None:
         self.module = module
         self.policy = policy
         self.previous = previous
+        self.label = label or f"ckpt_graph.wrap: {type(module).__name__}"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # constant under dynamo; False when eager
@@ -80,7 +90,7 @@ class RegionForward:
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call the module's forward inside a region."""
         forward = self.previous
-        with save_recompute_policy(self.policy):
+        with labelled_region(self.policy, self.label):
             if forward is None:
                 return type(self.module).forward(self.module, *args, **kwargs)
             return forward(*args, **kwargs)
@@ -144,8 +154,10 @@ def _matcher(match: Match | MatchFn) -> MatchFn:
     )
 
 
-def _select(model: torch.nn.Module, match: Match | MatchFn | None) -> list[torch.nn.Module]:
-    """Selected modules in ``named_modules`` order, skipping those inside a selected one."""
+def _select(
+    model: torch.nn.Module, match: Match | MatchFn | None
+) -> list[tuple[str, torch.nn.Module]]:
+    """Selected ``(name, module)`` in ``named_modules`` order, skipping those inside a selected one."""
     pred: MatchFn
     if match is None:
         blocks = {
@@ -161,13 +173,13 @@ def _select(model: torch.nn.Module, match: Match | MatchFn | None) -> list[torch
         pred = in_list
     else:
         pred = _matcher(match)
-    selected: list[torch.nn.Module] = []
+    selected: list[tuple[str, torch.nn.Module]] = []
     prefixes: list[str] = []
     for name, m in model.named_modules():
         if any(name == p or name.startswith(p + ".") or p == "" for p in prefixes):
             continue  # See Note [Wrapping by instance forward] (4)
         if pred(name, m):
-            selected.append(m)
+            selected.append((name, m))
             prefixes.append(name)
     return selected
 
@@ -198,7 +210,9 @@ def wrap(
 
     Returns:
         ``model`` itself. Wrapping again is idempotent (an already wrapped module only takes
-        the new ``policy``).
+        the new ``policy``). Logs ``describe_wrapped(model)`` at INFO on the ``ckpt_graph``
+        logger; the regions are labelled ``"ckpt_graph.wrap: <name> (<class>)"`` (See Note
+        [Integrations say when they are active]).
 
     Raises:
         ValueError: nothing in ``model`` matched.
@@ -225,7 +239,7 @@ def wrap(
         from torch._dynamo import disable
 
         _RUN_EAGERLY.append(disable(_run_eagerly))
-    for m in selected:
+    for name, m in selected:
         compiled = [n for n, sub in m.named_modules() if _is_compiled(sub)]
         if compiled:
             warnings.warn(
@@ -240,8 +254,27 @@ def wrap(
         if isinstance(current, RegionForward):
             current.policy = policy
         else:
-            m.forward = RegionForward(m, policy, current)  # type: ignore[method-assign]
+            label = f"ckpt_graph.wrap: {name or '(the model)'} ({type(m).__name__})"
+            m.forward = RegionForward(m, policy, current, label)  # type: ignore[method-assign]
+    announce(describe_wrapped(model))  # See Note [Integrations say when they are active].
     return model
+
+
+def describe_wrapped(model: torch.nn.Module) -> str:
+    """One line saying which modules of ``model`` run in regions, and with which policy.
+
+    Example:
+        >>> describe_wrapped(cg.wrap(model))  # doctest: +SKIP
+        "wrap: 12 modules (GPT2Block x12) of GPT2LMHeadModel run in regions (policy='recompute_all')"
+    """
+    wrapped = [m for m in model.modules() if is_wrapped(m)]
+    if not wrapped:
+        return f"wrap: no module of {type(model).__name__} runs in a region"
+    policies = {describe_policy(m.__dict__["forward"].policy): None for m in wrapped}
+    return (
+        f"wrap: {describe_modules(wrapped)} of {type(model).__name__} run in regions "
+        f"(policy={', '.join(policies)})"
+    )
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -22,8 +22,14 @@ import ckpt_graph as cg
 from ckpt_graph import policies
 from ckpt_graph._errors import CkptGraphError
 from ckpt_graph.engine.region import current_region
+from ckpt_graph.integrations.torch_routing import installed
 
 aten = torch.ops.aten
+_TORCH_INTERNALS = (
+    "_checkpoint_without_reentrant_generator",
+    "CheckpointFunction",
+    "_checkpoint_hook",
+)
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +176,8 @@ def _third_party_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def test_patch_torch_checkpoint_opens_regions_and_restores() -> None:
-    original = (torch_checkpoint.checkpoint, torch_checkpoint.checkpoint_sequential)
+    internals = {n: getattr(torch_checkpoint, n) for n in _TORCH_INTERNALS}
+    public = (torch_checkpoint.checkpoint, torch_checkpoint.checkpoint_sequential)
     expected = _grads(_third_party_forward)
     regions: list[cg.Region] = []
 
@@ -180,34 +187,41 @@ def test_patch_torch_checkpoint_opens_regions_and_restores() -> None:
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     with cg.patch_torch_checkpoint(policy=spy) as patch:
-        assert torch.utils.checkpoint.checkpoint is not original[0]
+        assert installed()
         got = _grads(_third_party_forward)
     assert "spy" in repr(patch)
-    assert (torch_checkpoint.checkpoint, torch_checkpoint.checkpoint_sequential) == original
+    assert patch.calls == 2
+    assert (torch_checkpoint.checkpoint, torch_checkpoint.checkpoint_sequential) == public
+    assert {n: getattr(torch_checkpoint, n) for n in _TORCH_INTERNALS} == internals
     assert len(regions) == 2  # the checkpoint call and the first of two sequential segments
+    assert [r.opened_by for r in regions] == [
+        "patch_torch_checkpoint: _body",
+        "patch_torch_checkpoint: checkpoint_sequential.<locals>.run_function.<locals>.forward",
+    ]
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_patch_torch_checkpoint_restores_on_error_and_nests() -> None:
-    original = torch_checkpoint.checkpoint
     with pytest.raises(ValueError, match="boom"), cg.patch_torch_checkpoint():
         raise ValueError("boom")
-    assert torch_checkpoint.checkpoint is original
+    assert not installed()
     outer, inner = cg.patch_torch_checkpoint(), cg.patch_torch_checkpoint()
     with outer:
-        after_outer = torch_checkpoint.checkpoint
         with inner:
-            pass
-        assert torch_checkpoint.checkpoint is after_outer
-    assert torch_checkpoint.checkpoint is original
+            assert installed()
+        assert installed()
+    assert not installed()
     outer.__enter__()
     inner.__enter__()
-    with pytest.raises(CkptGraphError, match="left out of order"):
-        outer.__exit__(None, None, None)
+    outer.__exit__(None, None, None)  # out of order: harmless, counted
+    assert installed()
     inner.__exit__(None, None, None)
-    outer._saved = (original, torch_checkpoint.checkpoint_sequential)
-    torch_checkpoint.checkpoint = original
+    assert not installed()
+    with pytest.raises(CkptGraphError, match="left without being entered"):
+        inner.__exit__(None, None, None)
+    with outer, pytest.raises(CkptGraphError, match="cannot be entered twice"):
+        outer.__enter__()
 
 
 # --- torch SAC signature passed where a ckpt_graph policy is expected (issue 15, item 5) ---

@@ -6,6 +6,7 @@ See Note [Lightning callback] in ckpt_graph/integrations/lightning.py.
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +114,16 @@ def test_callback_repr_and_state_dict_keys(tmp_path: Path) -> None:
     assert repr(callback) == "CheckpointCallback(policy='recompute_all', match='model.blocks.*')"
     _fit(module, tmp_path, [callback])
     assert list(module.state_dict()) == keys
+
+
+def test_fit_says_in_lightnings_log_what_runs_in_regions(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # See Note [Integrations say when they are active]: the line is in Lightning's own log.
+    with caplog.at_level(logging.INFO, logger="ckpt_graph"):
+        _fit(_Module(), tmp_path, [CheckpointCallback(match="model.blocks.*")])
+    line = "wrap: 3 modules (Sequential x3) of _Module run in regions (policy='recompute_all')"
+    assert [(r.name, r.getMessage()) for r in caplog.records if line in r.getMessage()] == [
+        ("ckpt_graph", line),
+        (pl.__name__, f"ckpt_graph: {line}"),
+    ]

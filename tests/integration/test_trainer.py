@@ -8,6 +8,7 @@ bit, with a lower peak. See Note [Surviving gradient_checkpointing_enable].
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -186,3 +187,48 @@ def test_trainer_callback_enables_and_checks(tmp_path: Path) -> None:
     assert [e["loss"] for e in trainer.state.log_history if "loss" in e] == ref_losses
     for name, ref in _params(plain).items():
         torch.testing.assert_close(_params(model)[name], ref, rtol=0, atol=0, msg=name)
+
+
+def _hf_lines(caplog: pytest.LogCaptureFixture, logger: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == logger and "ckpt_graph" in r.getMessage()
+    ]
+
+
+@pytest.mark.parametrize("how", ["gradient_checkpointing", "callback"])
+def test_trainer_run_says_in_transformers_log_what_checkpoints(
+    how: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # See Note [Integrations say when they are active]: with log_level="info" the Trainer
+    # shows transformers' INFO lines; ckpt_graph's line is among them.
+    model = build("gpt2", layers=2)
+    extra: dict[str, Any] = {"log_level": "info", "max_steps": 1}
+    callbacks = []
+    if how == "gradient_checkpointing":
+        cg_hf.enable(model, policy="must_save_all")
+        extra["activation_checkpointing"] = True
+    else:
+        callbacks.append(cg_hf.CheckpointCallback(policy="must_save_all"))
+    transformers_root = logging.getLogger("transformers")  # does not propagate to the root
+    transformers_root.addHandler(caplog.handler)
+    try:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, use_cpu=True,
+            report_to=[], save_strategy="no", disable_tqdm=True, **extra,
+        )  # fmt: skip
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=_dataset(), callbacks=callbacks
+        )
+        trainer.train()
+    finally:
+        transformers_root.removeHandler(caplog.handler)
+    line = (
+        "ckpt_graph: transformers: GPT2LMHeadModel: 2 modules (GPT2Block x2) checkpoint "
+        "through ckpt_graph regions (policy='must_save_all')"
+    )
+    where = (
+        "transformers.modeling_utils" if how == "gradient_checkpointing" else "transformers.trainer"
+    )
+    assert _hf_lines(caplog, where) == [line]
