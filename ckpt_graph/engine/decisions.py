@@ -37,6 +37,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ckpt_graph._errors import CkptGraphError, CkptGraphTypeError, CkptGraphValueError
 
 if TYPE_CHECKING:
+    from ckpt_graph.engine.lowering import CompileContext
     from ckpt_graph.engine.op_info import OpInfo
     from ckpt_graph.engine.region import Region
 
@@ -154,7 +155,7 @@ def policy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def resolve(
     stack: list[PolicyFn],
-    ctx: PolicyContext,
+    ctx: PolicyContext | CompileContext,
     out: Any,
     op: Any,
     args: Any,
