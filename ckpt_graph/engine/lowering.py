@@ -34,11 +34,16 @@
 #      region eagerly behind a graph break, with a warning (``needs_region``).
 #   6. A policy object must exist before the compiled function runs (an attribute, a global, an
 #      argument): dynamo passes it to the SAC context as a constant, and one built inside the
-#      traced code is not one.
+#      traced code is not one (dynamo graph-breaks there, and the frame runs eagerly).
+#   7. Nesting: a lowered region traced inside another (``checkpoint`` called in a wrapped
+#      block) asks the outer regions' policies first, then its own, as one stack resolved as
+#      in eager. Both SAC modes tag each op's graph nodes; the inner one runs its ``policy_fn``
+#      last, so its answer, the whole stack's, is the one the partitioner reads.
 # Known limitations: ``tag_with_policy`` has no lowering (a tag decides for a value after its
 # op ran; SAC decides per op as it runs); a ``with save_recompute_policy(...)`` block inside
 # compiled code is not a function and cannot become a checkpoint call: dynamo graph-breaks on
-# it and the block runs eagerly, as before; lowered regions do not nest (torch's SAC does not).
+# it and the block runs eagerly, as before; ``ctx.op_index`` counts from the innermost lowered
+# region's first op (eager counts from the outermost region's).
 """
 
 from __future__ import annotations
@@ -257,6 +262,17 @@ def _reads_values(exc: Exception) -> bool:
     return isinstance(exc, GuardOnDataDependentSymNode)
 
 
+def _enclosing() -> LoweredPolicy | None:
+    """The policy of the lowered region this one is traced inside, if any."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        policy_fn = getattr(mode, "policy_fn", None)
+        if isinstance(policy_fn, LoweredPolicy):
+            return policy_fn
+    return None
+
+
 def lowered_contexts(
     policy: Any,
     inner: Callable[[], Any] | None = None,
@@ -271,6 +287,9 @@ def lowered_contexts(
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     stack = [normalize_policy(policy)]
+    outer = _enclosing()
+    if outer is not None:  # See Note [Regions under torch.compile] (7)
+        stack = [*outer.stack, *stack]
     if inner is not None:
         from ckpt_graph.engine.api import _policy_from_context_fn  # late: api imports us
 

@@ -190,6 +190,40 @@ def test_checkpoint_in_compiled_function_lowers() -> None:
     assert _graph_breaks() == 0
 
 
+class CheckpointingBlock(torch.nn.Module):
+    """A block whose forward calls ``checkpoint`` on its inner part: nested regions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(cg.checkpoint(self.inner, x, policy="recompute_all"))
+
+
+def test_nested_lowered_regions_resolve_as_one_stack() -> None:
+    """wrap's ``save_ops(tanh)`` outside, "recompute_all" inside: tanh is kept (the outer
+    MUST_SAVE wins over the inner PREFER_RECOMPUTE), as in eager. See Note [Regions under
+    torch.compile] (7)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.ModuleList([CheckpointingBlock(), CheckpointingBlock()])
+    ).double()
+    blocks = model[0]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for block in blocks:
+            x = block(x)
+        return x
+
+    expected = _grads(model, run, X)
+    wrap(model, policies.save_ops(aten.tanh))
+    backend, saved = _saving_backend()
+    torch.testing.assert_close(_grads(model, torch.compile(run, backend=backend), X), expected)
+    assert saved.count("aten.tanh.default") == 2
+    assert _graph_breaks() == 0
+
+
 def test_ctx_under_compile_matches_eager() -> None:
     """The policy sees the same op names, module paths, bytes and FLOPs as in eager."""
     seen: list[tuple[int, str, str, int, int]] = []
