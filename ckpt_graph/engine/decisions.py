@@ -220,9 +220,13 @@ class PolicyContext:
         module: that module, or ``None``.
         flops: estimated FLOPs of the op (``torch.utils.flop_counter`` formulas; 0 if
             unknown).
+        compiling: ``False`` here; ``True`` on the context a policy gets while torch.compile
+            traces a lowered region (See Note [Regions under torch.compile]).
     """
 
     __slots__ = ("_args", "_info", "_kwargs", "_op", "_out", "op_index", "region")
+
+    compiling = False
 
     def __init__(self, region: Region) -> None:
         self.region = region

@@ -55,6 +55,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint  # before any patch
 
 from ckpt_graph.engine.decisions import (
     PolicyFn,
@@ -315,7 +316,7 @@ def checkpoint_lowered(
 
     Called while dynamo traces; see Note [Regions under torch.compile].
     """
-    from torch.utils.checkpoint import checkpoint as torch_checkpoint
-
+    # torch's own function, also inside ``patch_torch_checkpoint`` (whose patched name would
+    # lead back here); dynamo recognises it by identity.
     context_fn = functools.partial(lowered_contexts, policy, inner, root_cls, root_called)
-    return torch_checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    return _torch_checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)

@@ -421,3 +421,25 @@ def test_inductor_transformers_gpt2() -> None:
     assert breaks == 0
     assert peak <= INDUCTOR_SLACK * eager_peak
     assert peak < plain_peak
+
+
+def test_patched_torch_checkpoint_lowers_under_compile() -> None:
+    """Code calling torch.utils.checkpoint inside ``patch_torch_checkpoint``, compiled."""
+    from torch.utils import checkpoint as torch_checkpoint
+
+    model = _net()
+    expected = _grads(model, model, X)
+    backend, saved = _saving_backend()
+
+    @torch.compile(backend=backend)
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(model.embed(x))
+        for block in model.blocks:
+            h = torch_checkpoint.checkpoint(block, h, use_reentrant=False)
+        return model.head(h)  # type: ignore[no-any-return]
+
+    with cg.patch_torch_checkpoint(policy="must_save_all"):
+        got = _grads(model, f, X)
+    torch.testing.assert_close(got, expected)
+    assert saved.count("aten.tanh.default") == 2  # must_save_all, not torch's recompute
+    assert _graph_breaks() == 0
