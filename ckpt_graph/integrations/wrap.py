@@ -200,7 +200,9 @@ def wrap(
 
     No module is replaced or inserted: parameters, buffers, ``state_dict()`` keys and
     module hooks are untouched (hooks run outside the region). See Note [Wrapping by
-    instance forward].
+    instance forward]. Under ``torch.compile`` each region is lowered to torch's checkpoint
+    with a selective-checkpoint policy asking ``policy``: no graph break (See Note [Wrapped
+    modules under torch.compile]).
 
     Args:
         model: the model; it may itself be selected (``match=lambda name, m: name == ""``
