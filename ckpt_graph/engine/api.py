@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any, TypeVar
@@ -19,6 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ckpt_graph._errors import CkptGraphError, CkptGraphTypeError
 from ckpt_graph.engine.cache_bound import parse_cache_limit
 from ckpt_graph.engine.decisions import normalize_policy
+from ckpt_graph.engine.lowering import checkpoint_lowered, needs_region
 from ckpt_graph.engine.region import Region, current_region
 from ckpt_graph.engine.torch_sac import TorchSACPolicy
 
@@ -144,7 +146,10 @@ class save_recompute_policy:
 #      same nesting as torch's SAC inside its checkpoint. Any other context pair cannot be
 #      translated (the region records aten ops itself; torch's modes would run inside it) and
 #      raises, naming the fix.
-#   3. ``determinism_check`` is ``"default"`` or ``"none"`` as in torch: the recompute replays
+#   3. Under torch.compile the call is lowered to torch's checkpoint with a selective-
+#      checkpoint policy that asks ``policy`` (and ``context_fn``'s ``policy_fn`` as the inner
+#      one): See Note [Regions under torch.compile] in lowering.py.
+#   4. ``determinism_check`` is ``"default"`` or ``"none"`` as in torch: the recompute replays
 #      the recorded aten calls, so the metadata torch compares cannot differ. ``debug=True``
 #      asks for more: each recomputed value is compared with the forward's
 #      (``save_recompute_policy(debug=True)``).
@@ -201,6 +206,19 @@ def checkpoint(
             f"ckpt_graph: checkpoint(determinism_check={determinism_check!r}) is not a known "
             "value; pass 'default' or 'none' as for torch.utils.checkpoint, or debug=True to "
             "compare every recomputed value with the forward's"
+        )
+    if torch.compiler.is_compiling():  # See Note [Regions under torch.compile]
+        if not needs_region(policy):
+            root = type(fn) if isinstance(fn, torch.nn.Module) else None
+            return checkpoint_lowered(  # type: ignore[no-any-return]
+                fn, args, kwargs, policy, inner=context_fn, root_cls=root, root_called=True
+            )
+        warnings.warn(
+            f"ckpt_graph: checkpoint(policy={policy!r}) runs eagerly under torch.compile: the "
+            "policy needs the region at run time (on_region_enter), so it cannot be lowered to "
+            "torch's selective checkpointing; dynamo breaks the graph around the region",
+            UserWarning,
+            stacklevel=2,
         )
     inner = _policy_from_context_fn(context_fn)
     with save_recompute_policy(policy, debug=debug):

@@ -37,6 +37,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ckpt_graph._errors import CkptGraphError, CkptGraphTypeError, CkptGraphValueError
 
 if TYPE_CHECKING:
+    from ckpt_graph.engine.lowering import CompileContext
     from ckpt_graph.engine.op_info import OpInfo
     from ckpt_graph.engine.region import Region
 
@@ -154,7 +155,7 @@ def policy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def resolve(
     stack: list[PolicyFn],
-    ctx: PolicyContext,
+    ctx: PolicyContext | CompileContext,
     out: Any,
     op: Any,
     args: Any,
@@ -219,9 +220,13 @@ class PolicyContext:
         module: that module, or ``None``.
         flops: estimated FLOPs of the op (``torch.utils.flop_counter`` formulas; 0 if
             unknown).
+        compiling: ``False`` here; ``True`` on the context a policy gets while torch.compile
+            traces a lowered region (See Note [Regions under torch.compile]).
     """
 
     __slots__ = ("_args", "_info", "_kwargs", "_op", "_out", "op_index", "region")
+
+    compiling = False
 
     def __init__(self, region: Region) -> None:
         self.region = region

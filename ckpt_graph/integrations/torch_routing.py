@@ -84,8 +84,8 @@ _UNTRANSLATABLE = (
 _COMPILING = (
     "ckpt_graph: a torch.utils.checkpoint call inside patch_torch_checkpoint ran torch's own "
     "checkpoint, because it was compiled (torch.compile lowers its checkpoint itself); its "
-    "gradients and memory are torch's. Call ckpt_graph.wrap on the modules instead to run them "
-    "in regions (eagerly)"
+    "gradients and memory are torch's. Call ckpt_graph.wrap on the modules instead: a wrapped "
+    "module compiles as a region whose policy the compiler asks per op"
 )
 
 

@@ -11,9 +11,11 @@
 # region because transformers checkpoints ``forward``, not ``__call__``. Unlike the reentrant
 # torch checkpoint, a region needs no input that requires grad, so ``enable`` does not register
 # transformers' ``enable_input_require_grads`` hook. ``transformers`` is imported lazily.
-# Under torch.compile the call goes through a dynamo-disabled function (one graph break per
-# layer, the layer runs eagerly in its region, with a warning), as for ``ckpt_graph.wrap``:
-# see Note [Wrapped modules under torch.compile] in ckpt_graph/integrations/wrap.py.
+# Under torch.compile ``checkpoint`` lowers the layer's region to torch's checkpoint with a
+# selective-checkpoint policy (Note [Regions under torch.compile] in engine/lowering.py); a
+# policy that needs the region at run time goes through a dynamo-disabled function instead
+# (one graph break per layer, the layer runs eagerly in its region, with a warning), as for
+# ``ckpt_graph.wrap``: see Note [Wrapped modules under torch.compile] in integrations/wrap.py.
 
 # Note [Surviving gradient_checkpointing_enable]
 # ``Trainer(args=TrainingArguments(gradient_checkpointing=True))`` calls the model's public
@@ -56,6 +58,7 @@ from ckpt_graph._errors import (
     CkptGraphValueError,
 )
 from ckpt_graph.engine.api import checkpoint
+from ckpt_graph.engine.lowering import needs_region
 from ckpt_graph.engine.region import current_region
 from ckpt_graph.integrations.activity import announce, describe_modules, describe_policy
 
@@ -92,10 +95,11 @@ class HFCheckpointFunction:
         self.options = options
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # constant under dynamo; False when eager
+        if torch.compiler.is_compiling() and needs_region(self.policy):
             return _checkpoint_eagerly(self.policy, function, args, {**self.options, **kwargs})
-        if current_region() is None:  # the region this call opens says who opened it
-            function = _Labelled(function)
+        # under compile, ``checkpoint`` lowers the region: See Note [HF checkpoint function]
+        if not torch.compiler.is_compiling() and current_region() is None:
+            function = _Labelled(function)  # the region this call opens says who opened it
         return checkpoint(function, *args, policy=self.policy, **self.options, **kwargs)
 
     def __repr__(self) -> str:
@@ -140,8 +144,9 @@ def _checkpoint_eagerly(
     name = getattr(getattr(function, "func", function), "__qualname__", repr(function))
     warnings.warn(
         f"ckpt_graph: {name} (checkpointed by ckpt_graph.integrations.transformers) runs "
-        "eagerly under torch.compile: its region records aten ops with a TorchDispatchMode, "
-        "which dynamo cannot trace; gradients are exact",
+        f"eagerly under torch.compile: its policy {policy!r} needs the region at run time "
+        "(on_region_enter), so it cannot be lowered to torch's selective checkpointing; "
+        "gradients are exact",
         UserWarning,
         stacklevel=2,
     )

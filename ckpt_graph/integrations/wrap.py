@@ -18,17 +18,23 @@
 #    runs in the outer region (an inner block would only push the same policy again).
 
 # Note [Wrapped modules under torch.compile]
-# A region records aten ops with a TorchDispatchMode; dynamo cannot trace one and skips every
-# frame while one is active (torch/_dynamo/convert_frame.py). So:
-# 1. ``torch.compile(wrap(model))``: ``RegionForward.__call__`` hands the region to a
-#    ``torch._dynamo.disable``-d function: one clean graph break per wrapped module, whose forward
-#    runs eagerly in its region, while the code around it (embeddings, head, loss) is compiled.
-#    It warns once per module class, naming what runs eagerly.
-# 2. ``wrap`` of a model with compiled submodules (``torch.compile(block)`` or
-#    ``block.compile()``) inside a selected module: they run eagerly inside the region; wrap warns.
-# Gradients are exact in both cases. Dynamo cannot trace the region's dispatch mode, so no
-# change on our side would let a wrapped block compile; ``tests/integration/test_compile.py``
-# pins this behaviour.
+# A region records aten ops with a TorchDispatchMode, which dynamo cannot trace. So:
+# 1. ``torch.compile(wrap(model))``: while dynamo traces, ``RegionForward.__call__`` lowers the
+#    region to torch's checkpoint with a selective-checkpoint policy that asks the region's
+#    policy per op (See Note [Regions under torch.compile] in engine/lowering.py): the wrapped
+#    block compiles with the rest of the model, without a graph break.
+# 2. A policy that needs the region at run time (``memory_budget``, ``save_module_outputs``)
+#    cannot be lowered: ``RegionForward.__call__`` hands the region to a
+#    ``torch._dynamo.disable``-d function instead: one graph break per wrapped module, whose
+#    forward runs eagerly in its region, while the code around it is compiled (unless the
+#    blocks are called in a loop: dynamo then runs the whole frame eagerly). It warns once
+#    per module class, naming the policy.
+# 3. ``wrap`` of a model with compiled submodules (``torch.compile(block)`` or
+#    ``block.compile()``) inside a selected module, then running it uncompiled: they run
+#    eagerly inside the region (dynamo skips frames while the region's dispatch mode
+#    records); wrap warns.
+# Gradients are exact in cases 2 and 3, and within the compiler's tolerance in case 1;
+# ``tests/integration/test_compile.py`` pins each.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from typing import Any
 import torch
 
 from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
+from ckpt_graph.engine.lowering import checkpoint_lowered, needs_region
 from ckpt_graph.integrations.activity import (
     announce,
     describe_modules,
@@ -84,7 +91,18 @@ class RegionForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # constant under dynamo; False when eager
-            return _RUN_EAGERLY[0](self, args, kwargs)
+            # See Note [Wrapped modules under torch.compile]
+            if needs_region(self.policy):
+                return _RUN_EAGERLY[0](self, args, kwargs)
+            module = self.module
+            if self.previous is None:
+                forward = type(module).forward
+                return checkpoint_lowered(
+                    forward, (module, *args), kwargs, self.policy, root_cls=type(module)
+                )
+            return checkpoint_lowered(
+                self.previous, args, kwargs, self.policy, root_cls=type(module)
+            )
         return self.run(args, kwargs)
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -100,15 +118,16 @@ class RegionForward:
 
 
 def _run_eagerly(rf: RegionForward, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The graph break of a wrapped module under torch.compile (dynamo-disabled by wrap()).
+    """The graph break of a wrapped module whose policy cannot be lowered (dynamo-disabled).
 
-    See Note [Wrapped modules under torch.compile].
+    See Note [Wrapped modules under torch.compile] (2).
     """
     warnings.warn(
         f"ckpt_graph: {type(rf.module).__name__}.forward (wrapped by ckpt_graph.wrap) runs "
-        "eagerly under torch.compile: its region records aten ops with a TorchDispatchMode, "
-        "which dynamo cannot trace; the code around it stays compiled (one graph break per "
-        "wrapped module) and gradients are exact",
+        f"eagerly under torch.compile: its policy {rf.policy!r} needs the region at run time "
+        "(on_region_enter), so it cannot be lowered to torch's selective checkpointing; the "
+        "code around it stays compiled (one graph break per wrapped module, unless the blocks "
+        "run in a loop) and gradients are exact",
         UserWarning,
         stacklevel=2,
     )
@@ -193,7 +212,9 @@ def wrap(
 
     No module is replaced or inserted: parameters, buffers, ``state_dict()`` keys and
     module hooks are untouched (hooks run outside the region). See Note [Wrapping by
-    instance forward].
+    instance forward]. Under ``torch.compile`` each region is lowered to torch's checkpoint
+    with a selective-checkpoint policy asking ``policy``: no graph break (See Note [Wrapped
+    modules under torch.compile]).
 
     Args:
         model: the model; it may itself be selected (``match=lambda name, m: name == ""``

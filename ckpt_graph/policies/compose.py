@@ -18,6 +18,7 @@ from torch._ops import OpOverload
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
+from ckpt_graph.engine.lowering import needs_region
 from ckpt_graph.engine.torch_sac import TorchSACPolicy
 from ckpt_graph.policies.builtins import Answer, Policy, PolicyLike, _normalise, _resolve, save_ops
 
@@ -64,6 +65,14 @@ class _Combinator(Policy):
                 leave = getattr(policy, "on_region_exit", None)
                 if leave is not None:
                     leaving.callback(leave, region)
+
+    @property
+    def needs_region(self) -> bool:
+        """Whether a member needs the region at run time (then no lowering under compile).
+
+        See Note [Regions under torch.compile] in engine/lowering.py.
+        """
+        return any(needs_region(p) for p in self._policies)
 
 
 class first_answer(_Combinator):

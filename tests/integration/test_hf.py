@@ -17,7 +17,7 @@ import torch
 import ckpt_graph as cg
 from ckpt_graph.integrations.wrap import unwrap, wrap
 from ckpt_graph.memory import measure
-from ckpt_graph.policies import save_module_outputs
+from ckpt_graph.policies import memory_budget, save_module_outputs
 
 transformers = pytest.importorskip(
     "transformers", reason="needs transformers (pip install transformers)"
@@ -142,7 +142,14 @@ def test_wrap_and_unwrap_hf_model_keeps_names() -> None:
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
-def test_checkpoint_function_under_torch_compile_runs_eagerly_and_warns() -> None:
+@pytest.mark.parametrize(
+    ("policy", "lowered"), [("recompute_all", True), (memory_budget(0.5), False)]
+)
+def test_checkpoint_function_under_torch_compile(policy: object, lowered: bool) -> None:
+    """Lowered to torch's checkpoint (one graph), or eager with a warning for a policy that
+    needs the region at run time. See Note [HF checkpoint function]."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     torch._dynamo.reset()
     lin = torch.nn.Linear(4, 4).double()
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
@@ -150,13 +157,18 @@ def test_checkpoint_function_under_torch_compile_runs_eagerly_and_warns() -> Non
     expected = [lin.weight.grad.clone(), x.grad.clone()]  # type: ignore[union-attr]
     lin.zero_grad(set_to_none=True)
     x.grad = None
-    function = cg_hf.HFCheckpointFunction("recompute_all")
+    function = cg_hf.HFCheckpointFunction(policy)
+    counter = CompileCounterWithBackend("aot_eager")
 
-    @torch.compile(backend="eager")
+    @torch.compile(backend=counter)
     def f(inp: torch.Tensor) -> torch.Tensor:
         return function(lin, inp) * 2
 
-    with pytest.warns(UserWarning, match="runs eagerly under torch.compile"):
+    if lowered:
         f(x).sum().backward()
+        assert counter.frame_count == 1
+    else:
+        with pytest.warns(UserWarning, match="runs eagerly under torch.compile"):
+            f(x).sum().backward()
     torch.testing.assert_close([lin.weight.grad, x.grad], expected, rtol=0, atol=0)
     torch._dynamo.reset()
