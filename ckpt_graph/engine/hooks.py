@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ckpt_graph.engine.realize import unpack_value
 
@@ -85,11 +86,21 @@ def pack_hook_for(region: Region) -> Callable[[torch.Tensor], Any]:
             stride = t.stride()
             h.stride = region._strides.setdefault(stride, stride)  # shared, as sizes are
             h.device = t.device
+            _note_storage(h, t)
         saved_at.append(len(nodes))  # See Note [Saved tensor records].
         saved_handles.append(h)
         return Packed(region, h)
 
     return pack_hook
+
+
+def _note_storage(h: Handle, t: torch.Tensor) -> None:
+    """Remember where the saved tensor's elements are. See Note [Live forward tensors]."""
+    try:
+        h.storage = StorageWeakRef(t.untyped_storage())
+        h.storage_offset = t.storage_offset()
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, some subclasses)
+        h.storage = None
 
 
 def unpack_hook(packed: Any) -> torch.Tensor:

@@ -94,26 +94,38 @@ def unpack_value(region: Region, h: Handle, packed: Any = None) -> torch.Tensor:
 
 # Note [Live forward tensors]
 # A recomputed value whose forward tensor the program still holds (the handle's weak
-# reference is alive) and that no write has changed since autograd saved it (the tensor's
-# version is the handle's, its sizes are) is unpacked as that tensor, as eager would,
-# instead of being recomputed. Its memory is the program's anyway: recomputing it held a
-# second copy (an RNN loop's output buffer, which the caller still holds in backward,
-# peaked one buffer above eager), and needed the values it was computed from, which may
-# have been written since (a region input written after the region, which eager never
-# saved, raised the version error where eager runs). Only the unpacked value is taken so:
-# the recomputed inputs of other values are recomputed as before. Use counts are kept as
-# for a realized value (``_release_use``), so its recomputed inputs are freed on time.
+# reference is alive) and that nothing has changed since autograd saved it is unpacked as
+# that tensor, as eager would, instead of being recomputed. Its memory is the program's
+# anyway: recomputing it held a second copy (an RNN loop's output buffer, which the caller
+# still holds in backward, peaked one buffer above eager), and needed the values it was
+# computed from, which may have been written since (a region input written after the
+# region, which eager never saved, raised the version error where eager runs).
+# "Unchanged" is checked on the elements, not on the Python object:
+#   1. the tensor's version is the handle's (an in-place write bumps it), and
+#   2. it still has the storage autograd saved (``Handle.storage``, a weak reference, so
+#      an address cannot be taken over by another storage while the handle exists), at the
+#      same offset, with the same sizes, strides and dtype. Assigning ``y.data = z`` swaps
+#      the storage of the same object and keeps its version; eager's saved output keeps the
+#      old storage, so the value is then recomputed.
+# Only the unpacked value is taken so: the recomputed inputs of other values are recomputed
+# as before. Use counts are kept as for a realized value (``_release_use``), so its
+# recomputed inputs are freed on time.
 
 
 def _live_forward(h: Handle) -> torch.Tensor | None:
     """The forward tensor of ``h``, if still held and unchanged. See Note [Live forward
     tensors]."""
     t = h.ref() if h.ref is not None else None
+    storage = h.storage
     if (
         t is None
+        or storage is None
         or h.version == -1
         or version_of(t) != h.version
+        or t.untyped_storage()._cdata != storage.cdata
+        or t.storage_offset() != h.storage_offset
         or t.shape != h.shape
+        or t.stride() != h.stride
         or t.dtype != h.dtype
     ):
         return None
