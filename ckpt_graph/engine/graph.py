@@ -133,6 +133,8 @@ class Handle:
             that will run in this pass still to use the value; its cache is freed when it
             reaches zero (see Note [Use counts and freeing]).
         cache: per backward pass, the recomputed value while ``pass_uses > 0``.
+        live: per backward pass, ``cache`` is the forward tensor the program still holds,
+            unchanged, instead of a recomputed value (see Note [Live forward tensors]).
         transient: per backward pass, a cheap value recomputed at each use instead of
             cached between uses (see Note [Transient values]).
         waiting_readers: per backward pass, for a transient value, the op nodes of the
@@ -151,6 +153,7 @@ class Handle:
         "has_views",
         "input_index",
         "is_view",
+        "live",
         "live_uses",
         "nbytes",
         "node_index",
@@ -204,6 +207,7 @@ class Handle:
         self.live_uses = 0
         self.pass_uses = 0
         self.cache: torch.Tensor | None = None
+        self.live = False
         self.transient = False
         self.waiting_readers = 0
 
