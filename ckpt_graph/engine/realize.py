@@ -27,7 +27,14 @@ from ckpt_graph.engine.debug import check_replay
 from ckpt_graph.engine.graph import INPUT, Handle, arg_at, version_of
 from ckpt_graph.engine.op_info import UNANNOTATED_ALIASES
 from ckpt_graph.engine.passes import PassState, begin_pass, end_pass, live_forward
-from ckpt_graph.engine.replay import _call, _enter_replay, _exit_replay, _fresh_alias, exact_copy
+from ckpt_graph.engine.replay import (
+    _call,
+    _enter_replay,
+    _exit_replay,
+    _fresh_alias,
+    exact_copy,
+    note_recompute_failure,
+)
 from ckpt_graph.engine.second_read import realize_again
 from ckpt_graph.engine.version_check import (
     _check_version,
@@ -247,14 +254,9 @@ def run_node(region: Region, node: OpNode) -> None:
                 out = _call(node, args, kwargs)
         else:
             out = _call(node, args, kwargs)
-    except Exception as e:
-        where = f" in module {node.module_path!r}" if node.module_path else ""
-        raise CkptGraphError(
-            f"ckpt_graph: recomputing op #{node.index} {info.name} (position {node.index} of the "
-            f"region's forward{where}) failed: {e}. Its inputs may have been modified in place "
-            "after the forward; keep this op's output (tag_with_policy(t, True)) or avoid the "
-            "modification."
-        ) from e
+    except Exception as e:  # See Note [Errors raised by a recomputed op].
+        note_recompute_failure(e, node)
+        raise
     state = region._pass
     node.pass_id = state.number
     node.realized += 1
