@@ -37,7 +37,15 @@ from ckpt_graph.engine.graph import Handle
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
 
-__all__ = ["detached", "hold", "hold_copy", "hold_new_version", "index_storage", "unhold"]
+__all__ = [
+    "detached",
+    "hold",
+    "hold_copy",
+    "hold_new_version",
+    "index_storage",
+    "unhold",
+    "without_history",
+]
 
 _DK = torch._C.DispatchKey
 _tls_include = torch._C._dispatch_tls_local_include_set
@@ -58,7 +66,7 @@ def hold(
     if offload and t.device.type != "cpu":
         h.offload_device = t.device
         t = t.to("cpu", non_blocking=True)
-    if reason is graph.INPUT and type(t) in _PLAIN and _without_history(t):
+    if reason is graph.INPUT and type(t) in _PLAIN and without_history(t):
         h.keep(t, reason)  # See Note [Holding values], rule 4.
     else:
         h.keep(detached(region, t), reason)
@@ -68,7 +76,7 @@ def hold(
         index_storage(region, h)
 
 
-def _without_history(t: torch.Tensor) -> bool:
+def without_history(t: torch.Tensor) -> bool:
     """Whether ``t`` has no autograd history, without reading a view's ``grad_fn``.
     See Note [Holding values], rule 4."""
     return not t.requires_grad or (not t._is_view() and t.grad_fn is None)
