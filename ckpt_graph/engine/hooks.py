@@ -98,7 +98,7 @@ def _note_storage(h: Handle, t: torch.Tensor) -> None:
     """Remember where the saved tensor's elements are. See Note [Live forward tensors]."""
     try:
         h.storage = StorageWeakRef(t.untyped_storage())
-        h.storage_offset = t.storage_offset()
+        h.storage_offset = int(t.storage_offset())
     except (RuntimeError, NotImplementedError):  # no storage (sparse, some subclasses)
         h.storage = None
 
