@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 from torch._ops import OpOverload
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ckpt_graph.engine.op_info import OpInfo
 
@@ -107,9 +106,10 @@ class Handle:
         shape, dtype, nbytes: metadata of the value; stride and device are filled in
             when autograd saves it (the fake implementation of ``ckpt_graph::unpack``).
         storage, storage_offset: a weak reference to the storage of the forward tensor
-            and its offset in it, filled in when autograd first saves the value (``None``
-            for a tensor without storage); a tensor the program still holds is unpacked as
-            it is only while it has them (see Note [Live forward tensors]).
+            (``UntypedStorage._weak_ref()``, an int; 0 for none) and its offset in it,
+            filled in when autograd first saves the value and freed when the region
+            releases its values; a tensor the program still holds is read as it is only
+            while it has them (see Note [Live forward tensors]).
         is_view: the value aliases the storage of another handle (a view op output).
         base: for a view (``is_view``), the handle of the value it is a view of, followed
             through views to one that is not a view: the value whose storage and version
@@ -194,7 +194,7 @@ class Handle:
         self.offload_device: torch.device | None = None
         self.stride: tuple[int, ...] | None = None  # set when autograd saves the value
         self.device: torch.device | None = None  # likewise
-        self.storage: StorageWeakRef | None = None  # likewise
+        self.storage = 0  # likewise
         self.storage_offset = 0
         self.is_view = False
         self.base: Handle | None = None

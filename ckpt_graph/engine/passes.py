@@ -172,14 +172,13 @@ def live_forward(h: Handle) -> torch.Tensor | None:
     """The forward tensor of ``h``, if still held and unchanged. See Note [Live forward
     tensors]."""
     t = h.ref() if h.ref is not None else None
-    storage = h.storage
     if (
         t is None
-        or storage is None
+        or not h.storage
         or h.superseded
         or h.version == -1
         or version_of(t) != h.version
-        or t.untyped_storage()._cdata != storage.cdata
+        or t.untyped_storage()._cdata != h.storage
         or t.storage_offset() != h.storage_offset
         or t.shape != h.shape
         or t.stride() != h.stride
