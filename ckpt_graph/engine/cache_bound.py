@@ -122,10 +122,10 @@ def segment_limit(region: Region, last: dict[Handle, int]) -> int:
     saved: set[Handle] = set()
     for node in region.nodes:
         for o in node.outputs:
-            if o is not None and o.reason is None and o.pass_uses > 0:
+            if o is not None and o.reason is None and o.pass_uses > 0 and not o.live:
                 root = root_of(region, o)
-                if root.reason is not None:
-                    continue  # a view of a kept value holds nothing
+                if root.reason is not None or root.live:
+                    continue  # a view of a kept or live value holds nothing
                 end[root] = max(end.get(root, 0), last.get(o, node.index))
                 if o.saved_refs:
                     saved.add(root)
@@ -159,7 +159,7 @@ def _first_realize_bytes(region: Region) -> int:
     saved tensors of the forward."""
     nodes = region.nodes
     target = next((h for h in reversed(region._saved_handles) if h.reason is None), None)
-    if target is None or target.node_index < 0:
+    if target is None or target.node_index < 0 or target.live:
         return 0
     seen = {target.node_index}
     stack = [target.node_index]
@@ -167,13 +167,13 @@ def _first_realize_bytes(region: Region) -> int:
     while stack:
         node = nodes[stack.pop()]
         for o in node.outputs:
-            if o is not None and o.reason is None and o.saved_refs:
+            if o is not None and o.reason is None and o.saved_refs and not o.live:
                 roots.add(root_of(region, o))
         for i in node.inputs:
-            if i.reason is None and i.node_index not in seen:
+            if i.reason is None and not i.live and i.node_index not in seen:
                 seen.add(i.node_index)
                 stack.append(i.node_index)
-    return sum(r.nbytes for r in roots if r.reason is None)
+    return sum(r.nbytes for r in roots if r.reason is None and not r.live)
 
 
 def root_of(region: Region, h: Handle) -> Handle:
@@ -237,7 +237,7 @@ def close_segment(region: Region, state: PassState) -> None:
 def frontier_bytes(region: Region, state: PassState) -> int:
     """Bytes of storage the values of this realize still to be read hold (the frontier)."""
     roots = {root_of(region, a) for a in state.active}
-    return sum(r.nbytes for r in roots if r.reason is None)
+    return sum(r.nbytes for r in roots if r.reason is None and not r.live)
 
 
 def owe(region: Region, node: OpNode) -> None:
@@ -284,7 +284,7 @@ def plan_realize(region: Region, h: Handle) -> list[int]:
         for o in nodes[index].outputs:
             if o is not None and o.reason is None and o.pass_uses > need.get(o, 0):
                 held.add(root_of(region, o))
-    held_bytes = sum(r.nbytes for r in held if r.reason is None)
+    held_bytes = sum(r.nbytes for r in held if r.reason is None and not r.live)
     state.segment = []
     state.segment_bytes = 0
     state.segment_roots = set()

@@ -105,6 +105,11 @@ class Handle:
         offload_device: original device of a value kept in host memory, else ``None``.
         shape, dtype, nbytes: metadata of the value; stride and device are filled in
             when autograd saves it (the fake implementation of ``ckpt_graph::unpack``).
+        storage, storage_offset: a weak reference to the storage of the forward tensor
+            (``UntypedStorage._weak_ref()``, an int; 0 for none) and its offset in it,
+            filled in when autograd first saves the value and freed when the region
+            releases its values; a tensor the program still holds is read as it is only
+            while it has them (see Note [Live forward tensors]).
         is_view: the value aliases the storage of another handle (a view op output).
         base: for a view (``is_view``), the handle of the value it is a view of, followed
             through views to one that is not a view: the value whose storage and version
@@ -128,6 +133,8 @@ class Handle:
             that will run in this pass still to use the value; its cache is freed when it
             reaches zero (see Note [Use counts and freeing]).
         cache: per backward pass, the recomputed value while ``pass_uses > 0``.
+        live: per backward pass, ``cache`` is the forward tensor the program still holds,
+            unchanged, instead of a recomputed value (see Note [Live forward tensors]).
         transient: per backward pass, a cheap value recomputed at each use instead of
             cached between uses (see Note [Transient values]).
         waiting_readers: per backward pass, for a transient value, the op nodes of the
@@ -146,6 +153,7 @@ class Handle:
         "has_views",
         "input_index",
         "is_view",
+        "live",
         "live_uses",
         "nbytes",
         "node_index",
@@ -156,6 +164,8 @@ class Handle:
         "ref",
         "saved_refs",
         "shape",
+        "storage",
+        "storage_offset",
         "stride",
         "superseded",
         "transient",
@@ -184,6 +194,8 @@ class Handle:
         self.offload_device: torch.device | None = None
         self.stride: tuple[int, ...] | None = None  # set when autograd saves the value
         self.device: torch.device | None = None  # likewise
+        self.storage = 0  # likewise
+        self.storage_offset = 0
         self.is_view = False
         self.base: Handle | None = None
         self.base_writes = 0
@@ -195,6 +207,7 @@ class Handle:
         self.live_uses = 0
         self.pass_uses = 0
         self.cache: torch.Tensor | None = None
+        self.live = False
         self.transient = False
         self.waiting_readers = 0
 

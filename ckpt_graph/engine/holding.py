@@ -11,11 +11,16 @@
 #      write is new memory for an input or a view (``hold_copy``), and for an op output
 #      when another kept value (a written view's new version) still holds its storage.
 #   3. A held value joins the storage index, once that is built (see ``before_write``).
-#   4. A region input that is a leaf (a parameter, a batch) is held as itself, not as an
-#      alias: it has no autograd history that could refer back to the region, and replay
-#      runs under no grad (see Note [RNG replay]), so it builds no graph from it. Making
-#      the alias below autograd costs microseconds per input, and a model has an input
-#      per parameter in every region, every step.
+#   4. A region input without autograd history (a parameter, a batch: a tensor that does
+#      not require grad, or one that is not a view and has no ``grad_fn``) is held as
+#      itself, not as an alias: no history of it could refer back to the region, and
+#      replay runs under no grad (see Note [RNG replay]), so it builds no graph from it.
+#      Making the alias below autograd costs microseconds per input, and a model has an
+#      input per parameter in every region, every step. A view's ``grad_fn`` is not read:
+#      reading it rebuilds the view's history when its base was written since, and for an
+#      output of a multi-output view op (``unbind``, ``split``) that raises "Output 0 of
+#      Unbind is a view and its base ... has been modified inplace", where eager, which
+#      reads no ``grad_fn``, runs (the view written under ``torch.no_grad()`` in the region).
 # Undoing a failed in-place op restores handles and ``kept_bytes`` as they were instead
 # (see Note [Failed in-place ops]), and a released region drops every value at once.
 """
@@ -32,7 +37,15 @@ from ckpt_graph.engine.graph import Handle
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
 
-__all__ = ["detached", "hold", "hold_copy", "hold_new_version", "index_storage", "unhold"]
+__all__ = [
+    "detached",
+    "hold",
+    "hold_copy",
+    "hold_new_version",
+    "index_storage",
+    "unhold",
+    "without_history",
+]
 
 _DK = torch._C.DispatchKey
 _tls_include = torch._C._dispatch_tls_local_include_set
@@ -53,7 +66,7 @@ def hold(
     if offload and t.device.type != "cpu":
         h.offload_device = t.device
         t = t.to("cpu", non_blocking=True)
-    if reason is graph.INPUT and t.grad_fn is None and type(t) in _PLAIN:
+    if reason is graph.INPUT and type(t) in _PLAIN and without_history(t):
         h.keep(t, reason)  # See Note [Holding values], rule 4.
     else:
         h.keep(detached(region, t), reason)
@@ -61,6 +74,12 @@ def hold(
         region.kept_bytes += h.nbytes
     if region._by_storage is not None:
         index_storage(region, h)
+
+
+def without_history(t: torch.Tensor) -> bool:
+    """Whether ``t`` has no autograd history, without reading a view's ``grad_fn``.
+    See Note [Holding values], rule 4."""
+    return not t.requires_grad or (not t._is_view() and t.grad_fn is None)
 
 
 def hold_new_version(region: Region, old: Handle, h: Handle, t: torch.Tensor) -> None:

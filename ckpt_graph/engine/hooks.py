@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -85,11 +85,27 @@ def pack_hook_for(region: Region) -> Callable[[torch.Tensor], Any]:
             stride = t.stride()
             h.stride = region._strides.setdefault(stride, stride)  # shared, as sizes are
             h.device = t.device
+            _note_storage(h, t)
         saved_at.append(len(nodes))  # See Note [Saved tensor records].
         saved_handles.append(h)
         return Packed(region, h)
 
     return pack_hook
+
+
+def _note_storage(h: Handle, t: torch.Tensor) -> None:
+    """Remember where the saved tensor's elements are. See Note [Live forward tensors].
+
+    A weak reference as a plain int, not a ``StorageWeakRef`` object: an object per saved
+    value counts towards the garbage collector's passes (Note [One recording path], rule 3),
+    which cost more than ten times the reference itself. ``Region._release`` frees it.
+    """
+    try:
+        # torch's stubs type ``_weak_ref`` as returning a storage; it returns the int.
+        h.storage = cast(int, t.untyped_storage()._weak_ref())
+        h.storage_offset = int(t.storage_offset())
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, some subclasses)
+        h.storage = 0
 
 
 def unpack_hook(packed: Any) -> torch.Tensor:

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
     from ckpt_graph.engine.region import Region
 
-__all__ = ["TRANSIENT_MIN_BYTES", "PassState", "begin_pass", "end_pass"]
+__all__ = ["TRANSIENT_MIN_BYTES", "PassState", "begin_pass", "end_pass", "live_forward"]
 
 
 class PassState:
@@ -122,7 +122,12 @@ def begin_pass(region: Region, task: int) -> None:
             if o is not None and o.reason is None:
                 o.pass_uses += o.saved_refs
                 if o.pass_uses > 0:
-                    needed = True
+                    t = live_forward(o)  # See Note [Live forward tensors].
+                    if t is None:
+                        needed = True
+                    else:
+                        o.cache = t
+                        o.live = True
         if needed:
             for i in node.inputs:
                 if i.reason is None:
@@ -134,6 +139,53 @@ def begin_pass(region: Region, task: int) -> None:
         _mark_transient(region)
     if task != -1:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: end_pass(region))
+
+
+# Note [Live forward tensors]
+# A recomputed value whose forward tensor the program still holds (the handle's weak
+# reference is alive) and that nothing has changed since autograd saved it is read as that
+# tensor, as eager reads it, instead of being recomputed: when unpacked, and as an input of
+# the values recomputed from it. Its memory is the program's anyway: recomputing it held a
+# second copy (an RNN loop's output buffer, which the caller still holds in backward,
+# peaked one buffer above eager), and needed the values it was computed from, which may
+# have been written since (a region input written after the region, which eager never
+# saved, raised the version error where eager runs, also when the held value was only an
+# input of the value unpacked: ``h0 = inp * 2; h = tanh(h0 @ w) + h0`` with ``h0`` held).
+# "Unchanged" is checked on the elements, not on the Python object:
+#   1. the tensor's version is the handle's (an in-place write bumps it), and no write of
+#      the region went over the value through an alias with a counter of its own
+#      (``superseded``), and
+#   2. it still has the storage autograd saved (``Handle.storage``, a weak reference, so
+#      an address cannot be taken over by another storage while the handle exists), at the
+#      same offset, with the same sizes, strides and dtype. Assigning ``y.data = z`` swaps
+#      the storage of the same object and keeps its version; eager's saved output keeps the
+#      old storage, so the value is then recomputed.
+# Only values autograd saved have a storage to compare: a held value that no op saved is
+# recomputed as before. At the start of a pass (``begin_pass``), each recomputed value
+# with pending uses that is live becomes its cache for the pass (``Handle.live``): its
+# producer then runs only for other outputs, so the values it was computed from take no
+# use for it. A live cache is not counted in ``cached_bytes``, never transient, never part
+# of a bounded segment, and a recorded write is never replayed on it (``run_node`` copies).
+
+
+def live_forward(h: Handle) -> torch.Tensor | None:
+    """The forward tensor of ``h``, if still held and unchanged. See Note [Live forward
+    tensors]."""
+    t = h.ref() if h.ref is not None else None
+    if (
+        t is None
+        or not h.storage
+        or h.superseded
+        or h.version == -1
+        or version_of(t) != h.version
+        or t.untyped_storage()._cdata != h.storage
+        or t.storage_offset() != h.storage_offset
+        or t.shape != h.shape
+        or t.stride() != h.stride
+        or t.dtype != h.dtype
+    ):
+        return None
+    return t
 
 
 # Note [Kept values changed after the region]
@@ -227,6 +279,7 @@ def _mark_transient(region: Region) -> None:
         if (
             h is None
             or h.reason is not None
+            or h.live
             or h.pass_uses < 2
             or h.is_view
             or h.has_views
@@ -281,5 +334,6 @@ def end_pass(region: Region) -> None:
             if o is not None:
                 o.pass_uses = 0
                 o.cache = None
+                o.live = False
                 o.transient = False
                 o.waiting_readers = 0

@@ -26,8 +26,15 @@ from ckpt_graph.engine.cache_bound import close_segment, frontier_bytes, join_se
 from ckpt_graph.engine.debug import check_replay
 from ckpt_graph.engine.graph import INPUT, Handle, arg_at, version_of
 from ckpt_graph.engine.op_info import UNANNOTATED_ALIASES
-from ckpt_graph.engine.passes import PassState, begin_pass, end_pass
-from ckpt_graph.engine.replay import _call, _enter_replay, _exit_replay, _fresh_alias, exact_copy
+from ckpt_graph.engine.passes import PassState, begin_pass, end_pass, live_forward
+from ckpt_graph.engine.replay import (
+    _call,
+    _enter_replay,
+    _exit_replay,
+    _fresh_alias,
+    exact_copy,
+    note_recompute_failure,
+)
 from ckpt_graph.engine.second_read import realize_again
 from ckpt_graph.engine.version_check import (
     _check_version,
@@ -76,7 +83,7 @@ def unpack_value(region: Region, h: Handle, packed: Any = None) -> torch.Tensor:
     if one_shot or task != state.task:
         begin_pass(region, task)
     try:
-        live = _live_forward(h)  # See Note [Live forward tensors].
+        live = live_forward(h)  # See Note [Live forward tensors].
         if packed is not None and packed.read == state.number:
             # See Note [Reading a saved tensor again].
             held = live if live is not None else h.cache
@@ -90,34 +97,6 @@ def unpack_value(region: Region, h: Handle, packed: Any = None) -> torch.Tensor:
         if one_shot:
             end_pass(region)
     return value
-
-
-# Note [Live forward tensors]
-# A recomputed value whose forward tensor the program still holds (the handle's weak
-# reference is alive) and that no write has changed since autograd saved it (the tensor's
-# version is the handle's, its sizes are) is unpacked as that tensor, as eager would,
-# instead of being recomputed. Its memory is the program's anyway: recomputing it held a
-# second copy (an RNN loop's output buffer, which the caller still holds in backward,
-# peaked one buffer above eager), and needed the values it was computed from, which may
-# have been written since (a region input written after the region, which eager never
-# saved, raised the version error where eager runs). Only the unpacked value is taken so:
-# the recomputed inputs of other values are recomputed as before. Use counts are kept as
-# for a realized value (``_release_use``), so its recomputed inputs are freed on time.
-
-
-def _live_forward(h: Handle) -> torch.Tensor | None:
-    """The forward tensor of ``h``, if still held and unchanged. See Note [Live forward
-    tensors]."""
-    t = h.ref() if h.ref is not None else None
-    if (
-        t is None
-        or h.version == -1
-        or version_of(t) != h.version
-        or t.shape != h.shape
-        or t.dtype != h.dtype
-    ):
-        return None
-    return t
 
 
 def _release_use(region: Region, state: PassState, h: Handle) -> None:
@@ -137,7 +116,7 @@ def _release_use(region: Region, state: PassState, h: Handle) -> None:
         return
     if h.cache is not None:
         h.cache = None
-        if not h.is_view:  # a view's bytes belong to its base
+        if not h.is_view and not h.live:  # a view's bytes belong to its base
             state.cached_bytes -= h.nbytes
 
 
@@ -255,6 +234,7 @@ def run_node(region: Region, node: OpNode) -> None:
             and not h.is_view
             and not h.has_views
             and h.pass_uses <= 1
+            and not h.live  # the program's tensor: see Note [Live forward tensors]
             # an unsafe_chunk output aliases the value it was cut from, which may be kept
             and region.nodes[h.node_index].op not in UNANNOTATED_ALIASES
         )
@@ -274,14 +254,9 @@ def run_node(region: Region, node: OpNode) -> None:
                 out = _call(node, args, kwargs)
         else:
             out = _call(node, args, kwargs)
-    except Exception as e:
-        where = f" in module {node.module_path!r}" if node.module_path else ""
-        raise CkptGraphError(
-            f"ckpt_graph: recomputing op #{node.index} {info.name} (position {node.index} of the "
-            f"region's forward{where}) failed: {e}. Its inputs may have been modified in place "
-            "after the forward; keep this op's output (tag_with_policy(t, True)) or avoid the "
-            "modification."
-        ) from e
+    except Exception as e:  # See Note [Errors raised by a recomputed op].
+        note_recompute_failure(e, node)
+        raise
     state = region._pass
     node.pass_id = state.number
     node.realized += 1

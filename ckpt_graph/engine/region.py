@@ -37,6 +37,7 @@ from ckpt_graph.engine.storage_history import StorageHistory, rebase
 __all__ = ["Region", "current_region"]
 
 _tls = threading.local()
+_free_weak_ref = torch.UntypedStorage._free_weak_ref
 
 
 def current_region() -> Region | None:
@@ -175,16 +176,23 @@ class Region:
         return [REPLAY_GLOBALS[i][0] for i in range(len(now)) if now[i] != self._globals[i]]
 
     def _release(self) -> None:
-        """Drop every tensor value the region holds (metadata stays for introspection)."""
+        """Drop every tensor value the region holds (metadata stays for introspection), and
+        the weak references to saved storages (see Note [Live forward tensors])."""
         for h in self.inputs:
             h.value = None
             h.cache = None
+            if h.storage:
+                _free_weak_ref(h.storage)
+                h.storage = 0
         for node in self.nodes:
             node.rng = None
             for o in node.outputs:
                 if o is not None:
                     o.value = None
                     o.cache = None
+                    if o.storage:
+                        _free_weak_ref(o.storage)
+                        o.storage = 0
 
     # Note [Saved tensor records]
     # The pack hook runs for every tensor autograd saves; it records the position and the

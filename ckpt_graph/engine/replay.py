@@ -33,7 +33,13 @@ if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
     from ckpt_graph.engine.region import Region
 
-__all__ = ["REPLAY_GLOBALS", "capture_rng", "exact_copy", "replay_globals"]
+__all__ = [
+    "REPLAY_GLOBALS",
+    "capture_rng",
+    "exact_copy",
+    "note_recompute_failure",
+    "replay_globals",
+]
 
 
 def exact_copy(t: torch.Tensor) -> torch.Tensor:
@@ -194,6 +200,29 @@ def _call(node: OpNode, args: list[Any], kwargs: dict[str, Any]) -> Any:
         return op(*args, **kwargs)
     finally:
         gen.set_state(before)
+
+
+# Note [Errors raised by a recomputed op]
+# An op that raises while it is recomputed in backward (out of memory, a kernel that
+# rejects its inputs) raises its own exception, not one of the library's: a training loop
+# that catches ``torch.OutOfMemoryError`` to retry with a smaller batch must see it, and
+# ``CkptGraphError`` is kept for what the library itself detects (Note [Error types]). The
+# exception gets a note (``add_note``, shown under the traceback) naming the op, its
+# position in the region's forward and module, and what to do if the op's inputs were
+# modified in place after the forward. Every path that replays an op adds it: ``run_node``
+# and ``realize_again``.
+
+
+def note_recompute_failure(e: BaseException, node: OpNode) -> None:
+    """Add to ``e`` which recomputed op raised it. See Note [Errors raised by a recomputed
+    op]."""
+    where = f" in module {node.module_path!r}" if node.module_path else ""
+    e.add_note(
+        f"ckpt_graph: raised while recomputing op #{node.index} {node.info.name} (position "
+        f"{node.index} of the region's forward{where}) in backward. If its inputs were "
+        "modified in place after the forward, keep this op's output (tag_with_policy(t, True)) "
+        "or avoid the modification."
+    )
 
 
 def capture_rng(

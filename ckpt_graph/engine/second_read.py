@@ -22,7 +22,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckpt_graph.engine.graph import Handle, arg_at
-from ckpt_graph.engine.replay import _call, _enter_replay, _exit_replay, exact_copy
+from ckpt_graph.engine.replay import (
+    _call,
+    _enter_replay,
+    _exit_replay,
+    exact_copy,
+    note_recompute_failure,
+)
 from ckpt_graph.engine.version_check import _kept_value
 
 if TYPE_CHECKING:
@@ -70,7 +76,11 @@ def realize_again(region: Region, h: Handle) -> torch.Tensor:
                         args[w] = v
                     else:
                         kwargs[w] = v
-            out = _call(node, args, kwargs)
+            try:
+                out = _call(node, args, kwargs)
+            except Exception as e:  # See Note [Errors raised by a recomputed op].
+                note_recompute_failure(e, node)
+                raise
             for o, v in zip(node.outputs, out if node.out_is_tuple else (out,), strict=True):
                 if o is not None:
                     local[id(o)] = v

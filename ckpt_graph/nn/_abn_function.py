@@ -264,7 +264,9 @@ class _InPlaceABN(torch.autograd.Function):
         try:
             y, weight, bias, invstd = ctx.saved_tensors
         except RuntimeError as err:
-            if ctx.consumed:
+            # Only the version error says that the first backward overwrote ``y``; anything
+            # else (out of memory while a region recomputes it) keeps its type.
+            if ctx.consumed and "modified by an inplace operation" in str(err):
                 raise CkptGraphError(
                     "ckpt_graph: InPlaceABN backward ran a second time through the same graph "
                     "(retain_graph=True?), but the first backward overwrote its saved output "

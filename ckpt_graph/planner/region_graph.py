@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ckpt_graph.engine.holding import without_history
 from ckpt_graph.planner.hand_seeds import block_ids, hand_seeds
 from ckpt_graph.planner.liveness import from_region, simulate
 from ckpt_graph.planner.plans import RegionGraph
@@ -39,7 +40,7 @@ def input_bytes(region: Region, since: int, storages: set[int]) -> int:
             t = h.value if h.offload_device is None else None
             if t is None:
                 continue
-        elif t.grad_fn is None:
+        elif without_history(t):  # no grad_fn read: see Note [Holding values], rule 4
             continue
         try:
             storage = t.untyped_storage()

@@ -357,22 +357,22 @@ def test_op_failing_during_recompute_names_op_and_position() -> None:
         y = a.sin()  # sin saves a: backward recomputes the fragile op, which now fails
     del a, h  # a held value is not recomputed (Note [Live forward tensors])
     assert CALLS["fragile"] == 1 and len(positions) == 1
-    with pytest.raises(cg.CkptGraphError) as info:
+    # The op's own exception, with a note naming it (Note [Errors raised by a recomputed op]).
+    with pytest.raises(RuntimeError, match="fragile op called again") as info:
         y.sum().backward()
-    msg = str(info.value)
-    assert "fragile" in msg and "ckpt_graph_test" in msg, msg
-    assert re.search(rf"\b{positions[0]}\b", msg), msg
-    cause = info.value.__cause__ or info.value.__context__
-    assert "fragile op called again" in msg or (
-        cause is not None and "fragile op called again" in str(cause)
-    )
+    assert not isinstance(info.value, cg.CkptGraphError)
+    note = "\n".join(info.value.__notes__)
+    assert (
+        f"ckpt_graph: raised while recomputing op #{positions[0]} ckpt_graph_test.fragile.default "
+        f"(position {positions[0]} of the region's forward)" in note
+    ), note
 
 
 def test_op_failing_during_recompute_does_not_break_next_region() -> None:
     x = leaf(3)
     with cg.save_recompute_policy("recompute_all"):
         y = fragile(x.exp()).sin()
-    with pytest.raises(cg.CkptGraphError):
+    with pytest.raises(RuntimeError, match="fragile op called again"):
         y.sum().backward()
     FRAGILE["max_calls"] = 10
     x2, xe = leaf(3), leaf(3)

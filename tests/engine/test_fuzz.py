@@ -4,7 +4,11 @@ A program is a short list of instructions over a pool of float64 ``(4, 6)`` tens
 and binary ops (with kwargs), matmuls, multi-output ops, views, in-place ops (on fresh
 values, through views, in-place view ops), random ops, factories, recurrent loops that fill
 a buffer step by step (``out[:, t] = h``, ``LSTMCell`` and ``GRUCell``), nested blocks with
-their own policies, and tags. Each program runs once eagerly and once in a region with a
+their own policies, tags, an ``unbind`` whose base is then written (``scatter_``) and one
+of its outputs written under no grad in a nested block, and a region input written after
+the region while a value computed from it is held. The first ``outside`` instructions run
+before the outer region opens (their values enter it as inputs; their nested blocks are
+regions of their own). Each program runs once eagerly and once in a region with a
 random outer policy; then one of the backward modes runs on both (``backward``,
 ``retain_graph`` twice, ``autograd.grad`` on part of the outputs, ``inputs=``, double
 backward with ``create_graph``), optionally after changing the default dtype. Outputs,
@@ -19,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -31,6 +35,7 @@ from torch import nn
 
 import ckpt_graph as cg
 from ckpt_graph import CheckpointPolicy, policies
+from ckpt_graph.engine.region import current_region
 
 aten = torch.ops.aten
 B, D, T = 4, 6, 3
@@ -81,13 +86,24 @@ BINARY: list[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = [
 
 @dataclass
 class Ctx:
-    """What an instruction may use besides the pool: weights, modules, the region scope."""
+    """What an instruction may use besides the pool: weights, modules, the region scope.
+
+    Attributes:
+        before: a value computed before any region (a region input that requires grad);
+            written in place after the region when an instruction used it (``written``).
+        views: per ``unbind`` whose base was written since, the base and its outputs.
+        held: values the program keeps until after backward.
+    """
 
     w: torch.Tensor
     lstm: nn.LSTMCell
     gru: nn.GRUCell
     nested: Callable[[str], contextlib.AbstractContextManager[Any]]
     tag: Callable[[torch.Tensor, bool], None]
+    before: torch.Tensor
+    views: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = field(default_factory=list)
+    held: list[torch.Tensor] = field(default_factory=list)
+    written: list[torch.Tensor] = field(default_factory=list)
 
 
 def _multi(t: torch.Tensor, c: int) -> torch.Tensor:
@@ -169,12 +185,49 @@ def _loop(t: torch.Tensor, ctx: Ctx, c: int) -> torch.Tensor:
     return out.sum(1)
 
 
+def _unbind_then_write_base(x: torch.Tensor, y: torch.Tensor, ctx: Ctx, c: int) -> torch.Tensor:
+    """Views from a multi-output op, then a write into their base: the views may only be
+    used under no grad from now on (eager raises otherwise)."""
+    base = x * 1.0
+    parts = base.unbind(c % 2)
+    if c % 2:  # along the columns
+        base.scatter_(1, torch.tensor([[1], [0], [2], [5]]), y[:, :1])
+    else:
+        base.scatter_(0, torch.tensor([[1, 0, 2, 3, 1, 0]]), y[:1])
+    ctx.views.append((base, parts))
+    return base * 0.5  # saves nothing: a later write into the base is legal
+
+
+def _write_view_of_written_base(x: torch.Tensor, y: torch.Tensor, ctx: Ctx, c: int) -> torch.Tensor:
+    """A nested block that writes an ``unbind`` output of a written base under no grad,
+    then reads the base (issue 21, item 2: a region input that is such a view)."""
+    with ctx.nested(sorted(POLICIES)[c % len(POLICIES)]):
+        if not ctx.views:
+            return torch.sin(x) * y
+        base, parts = ctx.views.pop()
+        with torch.no_grad():
+            parts[c % len(parts)].add_(1.5)
+        return torch.tanh(base @ ctx.w) * y
+
+
+def _input_written_after(y: torch.Tensor, ctx: Ctx, c: int) -> torch.Tensor:
+    """A value computed from a region input and kept by the program, the input written
+    after the region under no grad (issue 21, item 8): eager never saved the input."""
+    with ctx.nested(sorted(POLICIES)[c % len(POLICIES)]):
+        h0 = ctx.before * 2.0  # saves nothing
+        r = torch.tanh(h0 @ ctx.w) + h0 if c % 2 else torch.tanh(h0 @ ctx.w) * h0.sin()
+    ctx.held.append(h0)
+    if not ctx.written:
+        ctx.written.append(ctx.before)
+    return r * y
+
+
 def _execute(
     instrs: Sequence[tuple[int, int, int, int]], pool: list[torch.Tensor], ctx: Ctx
 ) -> None:
     for kind, a, b, c in instrs:
         x, y = pool[a % len(pool)], pool[b % len(pool)]
-        k = kind % 11
+        k = kind % 14
         if k == 0:
             r = UNARY[c % len(UNARY)](x)
         elif k == 1:
@@ -197,9 +250,15 @@ def _execute(
             with ctx.nested(sorted(POLICIES)[c % len(POLICIES)]):
                 r = torch.sin(x) * y
                 r = torch.tanh(r @ ctx.w)
-        else:
+        elif k == 10:
             r = x.exp().sin() if c % 2 else x.cos()
             ctx.tag(r, bool(c % 3))
+        elif k == 11:
+            r = _unbind_then_write_base(x, y, ctx, c)
+        elif k == 12:
+            r = _write_view_of_written_base(x, y, ctx, c)
+        else:
+            r = _input_written_after(y, ctx, c)
         pool.append(r)
 
 
@@ -213,6 +272,7 @@ class Program:
     policy: str
     mode: str
     switch_dtype: bool
+    outside: int = 0  # leading instructions run before the outer region opens
 
 
 def _leaves() -> tuple[torch.Tensor, torch.Tensor, nn.LSTMCell, nn.GRUCell]:
@@ -236,21 +296,25 @@ def _run(program: Program, checkpointed: bool) -> list[torch.Tensor]:
         return cg.save_recompute_policy(POLICIES[name]())
 
     def tag(t: torch.Tensor, keep: bool) -> None:
-        if checkpointed:
+        if checkpointed and current_region() is not None:  # tags need an open region
             cg.tag_with_policy(t, keep)
 
-    ctx = Ctx(w, lstm, gru, nested, tag)
+    ctx = Ctx(w, lstm, gru, nested, tag, before=x * 1.0)
     torch.manual_seed(2)
     scope = (
         cg.save_recompute_policy(POLICIES[program.policy]())
         if checkpointed
         else contextlib.nullcontext()
     )
+    pool = [x, x.sin()]
+    _execute(program.instrs[: program.outside], pool, ctx)
     with scope as region:
         regions.append(region)
-        pool = [x, x.sin()]
-        _execute(program.instrs, pool, ctx)
+        _execute(program.instrs[program.outside :], pool, ctx)
         outs = [pool[-1].sum(1), (pool[-2] * pool[-1]).sum()]
+    with torch.no_grad():
+        for t in ctx.written:  # See ``_input_written_after``.
+            t.add_(1.0)
     old_dtype = torch.get_default_dtype()
     if program.switch_dtype:
         torch.set_default_dtype(torch.float32 if old_dtype == torch.float64 else torch.float64)
@@ -299,7 +363,7 @@ def check_program(program: Program) -> None:
 
 # --------------------------------------------------------------------------- the fuzzer
 instruction = st.tuples(
-    st.integers(0, 10), st.integers(0, 40), st.integers(0, 40), st.integers(0, 11)
+    st.integers(0, 13), st.integers(0, 40), st.integers(0, 40), st.integers(0, 11)
 )
 programs = st.builds(
     Program,
@@ -307,6 +371,7 @@ programs = st.builds(
     policy=st.sampled_from(sorted(POLICIES)),
     mode=st.sampled_from(MODES),
     switch_dtype=st.booleans(),
+    outside=st.integers(0, 2),
 )
 
 
@@ -332,9 +397,9 @@ def _quiet() -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- fixed programs
-@pytest.mark.parametrize("kind", range(11))
+@pytest.mark.parametrize("kind", range(14))
 def test_each_instruction_and_variant(kind: int) -> None:
-    for c in range(4 if kind != 9 else len(POLICIES)):
+    for c in range(4 if kind not in (9, 12, 13) else len(POLICIES)):
         program = Program(((kind, 1, 0, c), (1, 2, 0, 1)), "recompute_all", "backward", False)
         with _quiet():
             check_program(program)
@@ -374,3 +439,25 @@ def test_cell_loop_second_backward(cell: int) -> None:
 
 def test_linspace_recomputed_after_the_default_dtype_changed() -> None:
     check_program(Program(((7, 1, 0, 3),), "recompute_all", "backward", True))
+
+
+# Found by an outside fuzzer (issue 21): regression tests.
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("outside", [0, 1], ids=["in_region", "before_region"])
+def test_unbind_output_of_written_base_written_under_no_grad(policy: str, outside: int) -> None:
+    """Item 2: before the fix, an ``unbind`` output whose base was written before the region
+    raised "Output 0 of Unbind is a view..." when it entered the region."""
+    instrs = ((11, 1, 0, 0), (12, 2, 1, 0), (11, 3, 2, 1), (12, 4, 1, 5))
+    with _quiet():
+        check_program(Program(instrs, policy, "backward", False, outside))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("c", [0, 1, 2, 3])
+def test_region_input_written_after_the_region_value_held(mode: str, c: int) -> None:
+    """Item 8: before the fix, recomputing from a held value needed the written input and
+    raised the version error."""
+    with _quiet():
+        check_program(Program(((13, 1, 1, c), (1, 2, 0, 1)), "recompute_all", mode, False))
