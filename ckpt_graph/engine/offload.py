@@ -99,7 +99,9 @@ class Offloader:
         self._prefetch_before(h)
         return value
 
-    def _copy_back(self, h: Handle, host: torch.Tensor, device: torch.device) -> tuple[Any, Any]:
+    def _copy_back(
+        self, h: Handle, host: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, Any]:
         side = self._stream(device)
         with torch.cuda.stream(side):
             value = torch.empty_like(host, device=device)
