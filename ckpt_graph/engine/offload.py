@@ -31,6 +31,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,31 +39,89 @@ import torch
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import Handle
 
-__all__ = ["Offloader"]
+__all__ = ["CudaCopies", "Offloader", "SyncCopies"]
+
+
+class SyncCopies:
+    """Copies for a device without streams here: ``Tensor.to``, nothing to wait for (rule 5)."""
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``t``."""
+        return t.to("cpu")
+
+    def copy_back(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
+        """Start copying ``host`` to ``device``: the device tensor and what to wait for."""
+        return host.to(device), None
+
+    def wait(self, value: torch.Tensor, event: Any, device: torch.device) -> None:
+        """Make the compute stream wait for ``event`` before it uses ``value``."""
+
+
+class CudaCopies(SyncCopies):
+    """Copies on a side stream into pinned host memory, with events (rules 1-3).
+
+    One per region and device: the side stream is the region's own.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device=device)
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty_like(t, device="cpu", pin_memory=True)
+        self.stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(self.stream)  # its memory is not reused before the copy read it
+        return host
+
+    def copy_back(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
+        with torch.cuda.stream(self.stream):
+            value = torch.empty_like(host, device=device)
+            value.copy_(host, non_blocking=True)
+            event = self.stream.record_event()
+        return value, event
+
+    def wait(self, value: torch.Tensor, event: Any, device: torch.device) -> None:
+        current = torch.cuda.current_stream(device)
+        current.wait_event(event)
+        value.record_stream(current)  # allocated on the side stream, freed by this one
+
+
+def _copies_for(device: torch.device) -> SyncCopies:
+    if device.type == "cuda":
+        return CudaCopies(device)
+    return SyncCopies()
 
 
 class Offloader:
     """The copies of one region's offloaded values. See Note [Offload on CUDA].
 
+    Args:
+        copies_for: makes the copier of a device (once per device); the default gives
+            :class:`CudaCopies` on CUDA and :class:`SyncCopies` elsewhere.
+
     Attributes:
         order: offloaded handles in the order the forward kept them (prefetch order).
-        pending: prefetched device copies not yet read: handle -> (tensor, event).
+        pending: the prefetched copy not read yet: id(handle) -> (handle, tensor, event).
         copies: copies started (to host and back); read by tests and benchmarks.
+        copiers: the copier of each device used so far.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, copies_for: Callable[[torch.device], SyncCopies] = _copies_for) -> None:
         self.order: list[Handle] = []
         self._position: dict[int, int] = {}  # id(handle) -> index in ``order``
         self.pending: dict[int, tuple[Handle, torch.Tensor, Any]] = {}
-        self._streams: dict[int, Any] = {}
+        self.copiers: dict[torch.device, SyncCopies] = {}
+        self._copies_for = copies_for
         self.copies = 0
 
-    def _stream(self, device: torch.device) -> Any:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = self._streams.get(index)
-        if stream is None:
-            stream = self._streams[index] = torch.cuda.Stream(device=index)
-        return stream
+    def _copier(self, device: torch.device) -> SyncCopies:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        copier = self.copiers.get(device)
+        if copier is None:
+            copier = self.copiers[device] = self._copies_for(device)
+        return copier
 
     def to_host(self, h: Handle, t: torch.Tensor) -> torch.Tensor:
         """The host copy of ``t`` kept for ``h`` (rules 1, 2 and 5)."""
@@ -71,44 +130,22 @@ class Offloader:
         self._position[id(h)] = len(self.order)
         self.order.append(h)
         self.copies += 1
-        if t.device.type != "cuda":
-            return t.to("cpu")
-        side = self._stream(t.device)
-        host = torch.empty_like(t, device="cpu", pin_memory=True)
-        side.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(side):
-            host.copy_(t, non_blocking=True)
-        t.record_stream(side)
-        return host
+        return self._copier(t.device).to_host(t)
 
     def to_device(self, h: Handle, host: torch.Tensor) -> torch.Tensor:
         """The device value of the offloaded ``h`` for backward to use (rules 3 and 4)."""
         device = h.offload_device
         assert device is not None
-        if device.type != "cuda":
-            self.copies += 1
-            return host.to(device)
+        copier = self._copier(device)
         entry = self.pending.pop(id(h), None)
         if entry is None:
-            value, event = self._copy_back(h, host, device)
+            self.copies += 1
+            value, event = copier.copy_back(host, device)
         else:
             _, value, event = entry
-        current = torch.cuda.current_stream(device)
-        current.wait_event(event)
-        value.record_stream(current)
+        copier.wait(value, event, device)
         self._prefetch_before(h)
         return value
-
-    def _copy_back(
-        self, h: Handle, host: torch.Tensor, device: torch.device
-    ) -> tuple[torch.Tensor, Any]:
-        side = self._stream(device)
-        with torch.cuda.stream(side):
-            value = torch.empty_like(host, device=device)
-            value.copy_(host, non_blocking=True)
-            event = side.record_event()
-        self.copies += 1
-        return value, event
 
     def _prefetch_before(self, h: Handle) -> None:
         """Start copying back the offloaded value kept just before ``h`` (rule 4)."""
@@ -120,8 +157,10 @@ class Offloader:
         while at >= 0:
             prev = self.order[at]
             host = prev.value
-            if host is not None and prev.offload_device is not None:
-                value, event = self._copy_back(prev, host, prev.offload_device)
+            device = prev.offload_device
+            if host is not None and device is not None:
+                self.copies += 1
+                value, event = self._copier(device).copy_back(host, device)
                 self.pending[id(prev)] = (prev, value, event)
                 return
             at -= 1

@@ -187,7 +187,7 @@ def test_offload_copies_run_on_a_side_stream(device: str) -> None:
     ):
         loss = model(x).float().pow(2).mean()
     off = region.offloader()
-    streams = list(off._streams.values())
+    streams = [c.stream for c in off.copiers.values()]  # type: ignore[attr-defined]
     assert len(streams) == 1 and streams[0] != torch.cuda.current_stream()
     loss.backward()
     _assert_bitwise(_grads(model), want)
