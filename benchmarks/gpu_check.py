@@ -11,8 +11,9 @@ capture, InPlaceABN), then one training step of transformers' GPT-2 built from t
 medium configurations (12 x 768 and 24 x 1024; vocabulary 2048, dropout 0.1) under: no
 checkpointing, ``torch.utils.checkpoint`` per block, torch selective checkpointing per block
 (matmuls kept), a ckpt_graph region per block, ``memory_budget`` bisected to the peaks of the
-two torch configurations, and per-block regions that offload matmul outputs to pinned host
-memory. For each: peak memory (``torch.cuda.max_memory_allocated`` through
+two torch configurations, per-block regions keeping matmul outputs, and the same regions
+offloading them to pinned host memory (its step time against keeping them on the device is
+what the copies cost beyond what backward's compute hides). For each: peak memory (``torch.cuda.max_memory_allocated`` through
 ``ckpt_graph.memory.measure``), median step time (CUDA events), the largest gradient difference
 against no checkpointing, and how CPU-bound the forward is (host time per recorded op against
 device time per op). The report is ``gpu_check.md`` in the folder given by ``--out``.
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 import ckpt_graph as cg
+from ckpt_graph import policies
 from ckpt_graph.compare.strategies import make_forward
 from ckpt_graph.compare.zoo import Workload, build_workload
 from ckpt_graph.memory import measure
@@ -75,6 +77,21 @@ class Clock:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
+
+    def host_and_device(self, fn: Callable[[], object]) -> tuple[float, float]:
+        """Seconds the host spent issuing ``fn`` and seconds the device ran it. A host time
+        above the device time means the device waited for the host (CPU-bound)."""
+        if not self.cuda:
+            s = self.time(fn)
+            return s, s
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        host = time.perf_counter() - t0
+        end.record()
+        end.synchronize()
+        return host, start.elapsed_time(end) / 1e3
 
     def sync(self) -> None:
         if self.cuda:
@@ -177,9 +194,7 @@ def _recording_split(
     """Host and device microseconds per op of one forward (no backward)."""
     _zero(w)
     clock.sync()
-    t0 = time.perf_counter()
-    device_s = clock.time(lambda: w.loss(forward()))
-    host_s = time.perf_counter() - t0
+    host_s, device_s = clock.host_and_device(lambda: w.loss(forward()))
     ops = max(region_ops, 1)
     return host_s / ops * 1e6, device_s / ops * 1e6
 
@@ -214,14 +229,22 @@ def bench_model(
     for strategy, forward in forwards.items():
         rows.append(_measure_row(name, strategy, w, forward, clock, steps, reference, ops))
         rows[-1].peak, rows[-1].note = peaks[strategy], notes.get(strategy, "")
-    cg.wrap(w.model, policy=_offload_policy)  # per-block regions offloading matmul outputs
-    try:
-        plain = forwards["none"]
-        row = _measure_row(name, "offload (per block)", w, plain, clock, steps, reference, ops)
-        row.peak = _peak(w, plain, device)
-        rows.append(row)
-    finally:
-        cg.unwrap(w.model)
+    # Per-block regions keeping matmul outputs on the device, then offloading them: the
+    # difference in step time is what the copies cost beyond what compute hides.
+    for strategy, policy in (
+        ("cg per block, matmuls kept", policies.save_matmuls()),
+        ("offload (per block)", _offload_policy),
+    ):
+        cg.wrap(w.model, policy=policy)
+        try:
+            plain = forwards["none"]
+            row = _measure_row(name, strategy, w, plain, clock, steps, reference, ops)
+            row.peak = _peak(w, plain, device)
+            rows.append(row)
+        finally:
+            cg.unwrap(w.model)
+    kept, off = rows[-2], rows[-1]
+    off.note = f"step {off.step_s / kept.step_s:.2f}x matmuls kept on the device"
     del w
     gc.collect()
     if device == "cuda":
@@ -308,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     tests, status = ("(skipped: --no-tests)", 0) if args.no_tests else run_tests(dry)
     print(tests, flush=True)
     rows: list[Row] = []
+    # bisection probes below what any plan reaches say so once per policy; the row says it
+    warnings.filterwarnings("ignore", message=r"ckpt_graph: memory_budget\(.*no plan found")
     for m in models:
         rows += bench_model(m, sizes.get(m, DRY_SIZES["small"]), device, steps, bisect_steps)
         print(f"{m} done ({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -34,6 +34,7 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path: pathlib.Path) -> None:
         "cg-block",
         "memory_budget @ torch-ckpt",
         "memory_budget @ torch-sac",
+        "cg per block, matmuls kept",
         "offload (per block)",
     ]
     peaks = {r[1].strip(): float(r[2]) for r in rows}
@@ -42,3 +43,4 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path: pathlib.Path) -> None:
         assert int(r[7]) > 0  # recorded ops counted
         assert peaks[r[1].strip()] <= peaks["none"], r
     assert re.search(r"budget 0\.\d+", text)
+    assert re.search(r"step \d+\.\d+x matmuls kept on the device", text)
