@@ -21,10 +21,15 @@
 #      reverse. Backward's compute overlaps that copy; at most one value is prefetched ahead
 #      (device memory of one value). A prefetched value whose handle is released before it is
 #      read is dropped.
-#   5. A CPU tensor is "offloaded" by being kept as it is (it is in host memory already);
+#   5. The value read last stays on the device until another offloaded value is read: a
+#      value read twice in a row (by the recompute of a value derived from it, then by the
+#      saved tensor itself, as GELU's input is in a Linear-GELU-Linear block) is copied back
+#      once. That holds one more value on the device, at most, until the region releases.
+#   6. A CPU tensor is "offloaded" by being kept as it is (it is in host memory already);
 #      other devices copy synchronously with ``Tensor.to``.
 # Known limitations: one value of lookahead, chosen by forward order, not by the backward's
 # actual order (a backward that reads values in another order waits for each copy); a value
+# read twice with another offloaded value read in between is copied back twice; a value
 # offloaded and written in place afterwards is copied as it was when kept (the version check
 # then raises, as for any kept value).
 """
@@ -43,7 +48,7 @@ __all__ = ["CudaCopies", "Offloader", "SyncCopies"]
 
 
 class SyncCopies:
-    """Copies for a device without streams here: ``Tensor.to``, nothing to wait for (rule 5)."""
+    """Copies for a device without streams here: ``Tensor.to``, nothing to wait for (rule 6)."""
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of ``t``."""
@@ -113,6 +118,7 @@ class Offloader:
         self.pending: dict[int, tuple[Handle, torch.Tensor, Any]] = {}
         self.copiers: dict[torch.device, SyncCopies] = {}
         self._copies_for = copies_for
+        self._last: tuple[Handle, torch.Tensor] | None = None  # the value read last
         self.copies = 0
 
     def _copier(self, device: torch.device) -> SyncCopies:
@@ -124,7 +130,7 @@ class Offloader:
         return copier
 
     def to_host(self, h: Handle, t: torch.Tensor) -> torch.Tensor:
-        """The host copy of ``t`` kept for ``h`` (rules 1, 2 and 5)."""
+        """The host copy of ``t`` kept for ``h`` (rules 1, 2 and 6)."""
         if t.device.type == "cpu":
             return t
         self._position[id(h)] = len(self.order)
@@ -133,9 +139,12 @@ class Offloader:
         return self._copier(t.device).to_host(t)
 
     def to_device(self, h: Handle, host: torch.Tensor) -> torch.Tensor:
-        """The device value of the offloaded ``h`` for backward to use (rules 3 and 4)."""
+        """The device value of the offloaded ``h`` for backward to use (rules 3 to 5)."""
         device = h.offload_device
         assert device is not None
+        last = self._last
+        if last is not None and last[0] is h:
+            return last[1]  # rule 5: read again at once, copied once
         copier = self._copier(device)
         entry = self.pending.pop(id(h), None)
         if entry is None:
@@ -144,6 +153,7 @@ class Offloader:
         else:
             _, value, event = entry
         copier.wait(value, event, device)
+        self._last = (h, value)
         self._prefetch_before(h)
         return value
 
@@ -166,5 +176,6 @@ class Offloader:
             at -= 1
 
     def clear(self) -> None:
-        """Drop every prefetched value (the region released its values)."""
+        """Drop every value copied back (the region released its values)."""
         self.pending.clear()
+        self._last = None

@@ -89,3 +89,51 @@ def test_host_tensors_are_kept_as_they_are() -> None:
     h = Handle(t, 0, 0)
     assert off.to_host(h, t) is t  # already in host memory: no copy, nothing to prefetch
     assert off.copies == 0 and not off.order
+
+
+class _MetaCopies(SyncCopies):
+    """Host copies on the meta device (nothing to copy), numbered in the order kept; the
+    region holds an alias of each, so they are told apart by their (distinct) shapes."""
+
+    def __init__(self) -> None:
+        self.kept: dict[tuple[int, ...], int] = {}  # shape -> position in the forward
+        self.hosts: list[torch.Tensor] = []
+        self.back: list[int] = []
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        host = t.clone()
+        self.kept[tuple(host.shape)] = len(self.hosts)
+        self.hosts.append(host)
+        return host
+
+    def copy_back(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
+        self.back.append(self.kept[tuple(host.shape)])
+        return host.clone(), None
+
+
+def test_a_region_copies_each_offloaded_value_back_once_in_backward_order() -> None:
+    """The whole path through a region (hold, unpack, realize, release) on a device that is
+    not the host, with no values: the meta device."""
+    import ckpt_graph as cg
+    from ckpt_graph import policies
+
+    aten = torch.ops.aten
+    layers: list[torch.nn.Module] = []
+    for i in range(3):  # every matmul output of its own shape
+        layers += [torch.nn.Linear(8 + i, 16 + i), torch.nn.GELU(), torch.nn.Linear(16 + i, 9 + i)]
+    model = torch.nn.Sequential(*layers).to("meta")
+    copies = _MetaCopies()
+    with cg.save_recompute_policy("recompute_all") as region:
+        region._offloader = Offloader(lambda device: copies)
+        matmuls = policies.offload(lambda ctx, out, op, *a, **k: op is aten.addmm.default)
+        with cg.save_recompute_policy(matmuls):
+            loss = model(torch.randn(4, 8, device="meta")).pow(2).mean()
+    kept = [h for n in region.nodes if n.op is aten.addmm.default for h in n.outputs]
+    assert len(kept) == len(copies.hosts) == 6
+    assert all(h is not None and h.offload_device == DEVICE for h in kept)
+    loss.backward()
+    # each value once (GELU's input is read twice in a row: copied once), last kept first
+    assert copies.back == [5, 4, 3, 2, 1, 0]
+    off = region.offloader()
+    assert off.copies == 12 and not off.pending
+    assert all(p.grad is not None for p in model.parameters())
