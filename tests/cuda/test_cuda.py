@@ -221,7 +221,7 @@ def test_measure_matches_max_memory_allocated(device: str) -> None:
     eager = measure(step, None, device=device).peak_bytes
     region = measure(step, "recompute_all", device=device).peak_bytes
     assert region < eager
-    one = measure(torch.empty, 1 << 20, dtype=torch.uint8, device=device)
+    one = measure(lambda: torch.empty(1 << 20, dtype=torch.uint8, device=device), device=device)
     assert one.peak_bytes == 1 << 20
 
 
