@@ -89,8 +89,9 @@ _NO_KWARGS: dict[str, Any] = {}  # shared by every op node called without keywor
 # kept values and recompute, no re-plan, gradients bitwise those of eager under the tool.
 # Known limitations: a tool whose *Python* hooks run tensor ops inside the region (a module
 # forward hook that computes statistics of activations) adds op nodes like any user code;
-# and a mode entered *inside* a region sits above the recorder, which then records what the
-# mode issues (FlopCounterMode's decompositions): enter tools outside the region.
+# and a mode entered *inside* a region sits above the recorder, which then records the ops
+# the mode issues itself (a logging mode's checksums), indistinguishable from the program's
+# (the mode stack looks the same for both): enter tools outside the region.
 
 
 class _OpEntry:
