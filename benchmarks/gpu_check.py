@@ -28,6 +28,7 @@ import functools
 import gc
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -39,12 +40,17 @@ from typing import Any
 
 import torch
 
-import ckpt_graph as cg
-from ckpt_graph import policies
-from ckpt_graph.compare.strategies import make_forward
-from ckpt_graph.compare.zoo import Workload, build_workload
-from ckpt_graph.memory import measure
-from ckpt_graph.policies import MemoryBudget, memory_budget
+# The checkout this file lives in, before any installed copy: a GPU machine runs the tree
+# it was given, installed or not.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import ckpt_graph as cg  # noqa: E402
+from ckpt_graph import policies  # noqa: E402
+from ckpt_graph.compare.strategies import make_forward  # noqa: E402
+from ckpt_graph.compare.zoo import Workload, build_workload  # noqa: E402
+from ckpt_graph.memory import measure  # noqa: E402
+from ckpt_graph.policies import MemoryBudget, memory_budget  # noqa: E402
 
 aten = torch.ops.aten
 SIZES = {  # GPT-2 small and medium (layers, width); batch and sequence sized for one H100
@@ -56,7 +62,6 @@ DRY_SIZES = {  # the same two models, tiny
     "medium": dict(layers=3, width=64, batch=2, seq_len=32),
 }
 MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Clock:
@@ -270,14 +275,22 @@ def _measure_row(
 
 
 def run_tests(dry_run: bool) -> tuple[str, int]:
-    """Runs tests/cuda/test_cuda.py; returns pytest's summary line and exit status."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "tests/cuda/test_cuda.py"]
+    """Runs the CUDA tests; returns pytest's summary (and failures) and its exit status."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-rfEs",  # failures, errors and skips, each with its reason
+        "tests/cuda/test_cuda.py",
+        "tests/policies/test_policies.py::test_offload_on_cuda_keeps_values_in_host_memory",
+    ]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
-    failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
-    summary = lines[-1] if lines else "(no output)"
-    return "\n".join([summary, *failed]), proc.returncode
+    counts = [ln for ln in lines if re.search(r"\d+ (passed|failed|skipped|errors?)\b", ln)]
+    listed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR", "SKIPPED"))]
+    summary = counts[-1] if counts else (lines[-1] if lines else "(no output)")
+    return "\n".join([summary, *listed]), proc.returncode
 
 
 def report(rows: list[Row], tests: str, device_name: str, seconds: float, dry: bool) -> str:
@@ -336,7 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     for m in models:
         rows += bench_model(m, sizes.get(m, DRY_SIZES["small"]), device, steps, bisect_steps)
         print(f"{m} done ({time.perf_counter() - t0:.0f} s)", flush=True)
-    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor()})"
+    name = (
+        torch.cuda.get_device_name()
+        if device == "cuda"
+        else f"CPU ({platform.processor() or platform.machine()})"
+    )
     text = report(rows, tests, name, time.perf_counter() - t0, dry)
     path = os.path.join(args.out, "gpu_check.md")
     with open(path, "w") as f:
