@@ -63,9 +63,14 @@ def hold(
     count: bool = True,
 ) -> None:
     """Keep ``t`` as the value of ``h``. See Note [Holding values]."""
-    if offload and t.device.type != "cpu":
+    if offload and t.device.type != "cpu":  # See Note [Offload on CUDA].
         h.offload_device = t.device
-        t = t.to("cpu", non_blocking=True)
+        recording = region._recording  # a tag at user level: the copy is not an op node
+        region._recording = False
+        try:
+            t = region.offloader().to_host(h, t)
+        finally:
+            region._recording = recording
     if reason is graph.INPUT and type(t) in _PLAIN and without_history(t):
         h.keep(t, reason)  # See Note [Holding values], rule 4.
     else:

@@ -69,6 +69,31 @@ _NO_KWARGS: dict[str, Any] = {}  # shared by every op node called without keywor
 # The seed gradient of a backward (``ones_like`` called by autograd) is never recorded.
 
 
+# Note [Tools outside a region]
+# What a region records, and so whether a memory_budget plan matches it, must not depend on
+# the tools a user wraps around a step (a flop counter for MFU, the profiler, a logging or
+# debug dispatch mode, MemTracker, anomaly mode). It does not, for these reasons:
+#   1. The recorder is pushed when the region opens, so it sits above every mode entered
+#      before: it sees each op first, as the program issued it. An outer mode handles the op
+#      after the recorder ran it, with the recorder popped: what the outer mode does then
+#      (FlopCounterMode's ``decompose`` of ops it has no formula for, a logging mode's
+#      checksums, MemTracker's bookkeeping) never reaches the recorder.
+#   2. Planning and calibrating ``flops_per_byte`` run inside the region's recorder (at
+#      region enter and exit) and run their own ops with every mode disabled (see
+#      ``calibrated_flops_per_byte``), so neither the recorder nor a user's mode sees them.
+#   3. The profiler's ``record_function`` ranges, around the model and around each
+#      recomputed op, are ops that return no tensor: never recorded.
+#   4. Anomaly mode, the profiler and module-tracking hooks change no op: they add autograd
+#      metadata, events and Python bookkeeping only.
+# tests/planner/test_outer_tools.py runs a planned step under each tool: same op nodes, same
+# kept values and recompute, no re-plan, gradients bitwise those of eager under the tool.
+# Known limitations: a tool whose *Python* hooks run tensor ops inside the region (a module
+# forward hook that computes statistics of activations) adds op nodes like any user code;
+# and a mode entered *inside* a region sits above the recorder, which then records the ops
+# the mode issues itself (a logging mode's checksums), indistinguishable from the program's
+# (the mode stack looks the same for both): enter tools outside the region.
+
+
 class _OpEntry:
     """What the recorder needs of one op, computed once. See Note [One recording path]."""
 

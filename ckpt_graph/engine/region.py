@@ -27,6 +27,7 @@ from ckpt_graph.engine.decisions import to_decision as _to_decision
 from ckpt_graph.engine.graph import Handle, OpNode, version_of
 from ckpt_graph.engine.holding import detached, hold, unhold
 from ckpt_graph.engine.hooks import pack_hook_for, unpack_hook_for_autograd
+from ckpt_graph.engine.offload import Offloader
 from ckpt_graph.engine.outputs import KEPT_ON_HOST as _KEPT_ON_HOST
 from ckpt_graph.engine.passes import PassState
 from ckpt_graph.engine.record import Recorder
@@ -113,6 +114,7 @@ class Region:
         self._globals: tuple[Any, ...] | None = None  # See Note [Replay globals].
         self.tagged: set[Handle] = set()  # values tag_with_policy decided for
         self.opened_by = ""  # See Note [Integrations say when they are active].
+        self._offloader: Offloader | None = None  # made at the first offloaded value
 
     # ----------------------------------------------------------------- lifecycle
     def _open_region(self) -> None:
@@ -175,9 +177,17 @@ class Region:
         now = replay_globals()
         return [REPLAY_GLOBALS[i][0] for i in range(len(now)) if now[i] != self._globals[i]]
 
+    def offloader(self) -> Offloader:
+        """The copies of the values kept in host memory. See Note [Offload on CUDA]."""
+        if self._offloader is None:
+            self._offloader = Offloader()
+        return self._offloader
+
     def _release(self) -> None:
         """Drop every tensor value the region holds (metadata stays for introspection), and
         the weak references to saved storages (see Note [Live forward tensors])."""
+        if self._offloader is not None:
+            self._offloader.clear()
         for h in self.inputs:
             h.value = None
             h.cache = None

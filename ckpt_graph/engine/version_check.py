@@ -81,8 +81,8 @@ def _kept_value(region: Region, h: Handle) -> torch.Tensor:
             "forward, or pass retain_graph=True to the first backward"
         )
     _check_version(region, h)
-    if h.offload_device is not None:
-        return v.to(h.offload_device, non_blocking=True)
+    if h.offload_device is not None:  # See Note [Offload on CUDA].
+        return region.offloader().to_device(h, v)
     if region.debug:
         check_kept(region, h, v)  # See Note [Kept value checks].
     return v
