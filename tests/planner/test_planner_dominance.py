@@ -12,6 +12,7 @@ import torch
 import ckpt_graph as cg
 from ckpt_graph.compare.zoo import build_workload
 from ckpt_graph.planner.cost_model import (
+    FLOPS_PER_BYTE_ENV,
     calibrated_flops_per_byte,
     op_cost,
     parse_budget,
@@ -246,10 +247,13 @@ def test_plan_costs_at_most_every_fitting_hand_plan_on_zoo_models(
     assert dominance_violations(g, blocks, hand=True) == []
 
 
-def test_calibrating_at_region_exit_records_nothing_into_the_region() -> None:
+def test_calibrating_at_region_exit_records_nothing_into_the_region(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # planning (and so the first calibration) runs inside the region's recorder: the
     # calibration's matmul and add were recorded as region ops, and the plan of
     # memory_budget(1.0) recomputed every matmul of this MLP (before the fix)
+    monkeypatch.delenv(FLOPS_PER_BYTE_ENV)  # calibrate here: the session pins the ratio
     calibrated_flops_per_byte.cache_clear()
     w = build_workload("mlp", layers=2, width=32, batch=16)
     policy = memory_budget(1.0)
