@@ -8,7 +8,11 @@
 #     spaces and a decimal number (``"1.5 GiB"``); ``"40%"`` is the fraction 0.4;
 #   - an int below 1 KiB is refused: no region fits in a few bytes, and ``memory_budget(1)``
 #     is almost always meant as 100% (``memory_budget(1.0)``). The message says so.
-#   - a bare ``K``/``M``/``G`` is refused (bytes or bits? powers of 1000 or 1024?).
+#   - a bare ``K``/``M``/``G`` is refused (bytes or bits? powers of 1000 or 1024?);
+#   - a string without a unit is the Python number it spells, with the same rule:
+#     ``"4096"`` is the int 4096 (bytes), ``"0.5"`` and ``"2e-1"`` floats (fractions), and
+#     ``"1"`` one byte, refused like ``1``. ``ckpt-graph compare --budget TEXT`` passes its
+#     text here, so the command line and the API accept the same budgets (one parser).
 # Every refusal is a ``CkptGraphError`` naming the value and the accepted forms.
 
 # Note [Recompute cost model]
@@ -95,7 +99,7 @@ def parse_budget(budget: object) -> int | float:
         CkptGraphError: not a budget; the message gives the accepted forms.
 
     Example:
-        >>> parse_budget("1.5 KiB"), parse_budget(0.25), parse_budget("40%"), parse_budget(4096)
+        >>> parse_budget("1.5 KiB"), parse_budget(0.25), parse_budget("40%"), parse_budget("4096")
         (1536, 0.25, 0.4, 4096)
     """
     if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
@@ -126,6 +130,9 @@ def parse_budget(budget: object) -> int | float:
 
 
 def _parse_str(text: str) -> int | float:
+    number = _bare_number(text)
+    if number is not None:
+        return parse_budget(number)
     if text.strip().endswith("%"):
         try:
             percent = float(text.strip()[:-1])
@@ -141,6 +148,18 @@ def _parse_str(text: str) -> int | float:
             f"percentage; {_FORMS}"
         )
     return parse_budget(size)
+
+
+def _bare_number(text: str) -> int | float | None:
+    """The Python number a string without a unit spells (``"4096"``: 4096, ``"0.5"``: 0.5),
+    else ``None``. See Note [Budget argument]."""
+    stripped = text.strip()
+    if stripped.isdigit():
+        return int(stripped)
+    try:
+        return float(stripped)
+    except ValueError:
+        return None
 
 
 def op_cost(flops: int, nbytes: int, flops_per_byte: float) -> int:
