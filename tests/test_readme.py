@@ -254,3 +254,19 @@ def test_compare_commands_parse(
         assert code == 0, (
             f"{where}: python -m ckpt_graph {shlex.join(argv)}: {capsys.readouterr().err}"
         )
+
+
+def test_ci_runs_the_readme_test_command_then_the_slow_tests() -> None:
+    readme = [
+        words
+        for b in SHELL
+        for words in _commands(b.code)
+        if words[:3] == ["python", "-m", "pytest"]
+    ]
+    ci = [
+        words
+        for words in _commands((ROOT / ".ci" / "run").read_text())
+        if words[:3] == ["python", "-m", "pytest"]
+    ]
+    assert readme and all(words == ["python", "-m", "pytest", "-m", "not slow"] for words in readme)
+    assert ci == [readme[0], ["python", "-m", "pytest", "-m", "slow"]]
