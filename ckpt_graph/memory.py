@@ -141,7 +141,8 @@ class MemoryReport:
     def plot(self, path: str | os.PathLike[str]) -> None:
         """Draw allocated memory over time to an image file, phases shaded.
 
-        Needs matplotlib (`pip install ckpt_graph[viz]`); draws without a display.
+        Needs matplotlib (`pip install matplotlib`, or `pip install -e ".[viz]"` in a
+        checkout); draws without a display.
 
         Example:
             >>> measure(torch.ones, 1000).plot("memory.png")  # doctest: +SKIP
@@ -152,7 +153,8 @@ class MemoryReport:
         except ImportError as e:
             raise CkptGraphImportError(
                 "ckpt_graph: MemoryReport.plot needs matplotlib; "
-                "install it with `pip install ckpt_graph[viz]`"
+                "install it with `pip install matplotlib` (or `pip install -e '.[viz]'` in a "
+                "checkout of ckpt_graph)"
             ) from e
         fig = Figure(figsize=(8, 4))
         FigureCanvasAgg(fig)  # headless: attaches an Agg canvas, no global backend change

@@ -1,6 +1,6 @@
 """Measure a training step with and without ckpt_graph and plot both timelines.
 
-Run: python examples/plot_memory.py [output-directory]   (plots need `pip install ckpt_graph[viz]`)
+Run: python examples/plot_memory.py [output-directory]   (plots need matplotlib: `pip install -e ".[viz]"`)
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ that test modules can import them; this file only holds fixtures.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from ckpt_graph.planner.cost_model import FLOPS_PER_BYTE_ENV
+
+# Every memory_budget that is not given flops_per_byte= plans with this ratio instead of one
+# calibrated on the machine, so no test result depends on the machine or its load (a
+# calibrated 4.0 made a planner test fail on a clean clone). Set before any test runs, and
+# inherited by the subprocesses tests start (the compare CLI). See Note [Pinned calibration].
+PINNED_FLOPS_PER_BYTE = "2.0"
+os.environ[FLOPS_PER_BYTE_ENV] = PINNED_FLOPS_PER_BYTE
 
 # Test modules reuse a few helpers of other test modules (``from test_lifetime import
 # gc_disabled``); pytest puts a test file's own folder on sys.path only when it collects it,

@@ -301,6 +301,6 @@ def test_plot_without_matplotlib_says_what_to_install(
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
-    with pytest.raises(ImportError, match=r"pip install ckpt_graph\[viz\]"):
+    with pytest.raises(ImportError, match=r"pip install matplotlib"):
         measure(_block, 8).plot(tmp_path / "never.png")
     assert not (tmp_path / "never.png").exists()

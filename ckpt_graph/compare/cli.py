@@ -24,8 +24,9 @@ import ckpt_graph
 from ckpt_graph._errors import CkptGraphError, CkptGraphValueError
 from ckpt_graph.compare.output import format_table, have_matplotlib, plot, write_json
 from ckpt_graph.compare.runner import DEFAULT_STRATEGIES, STRATEGIES, run_comparison
-from ckpt_graph.compare.strategies import DEFAULT_BUDGET, POLICY_NAMES
+from ckpt_graph.compare.strategies import DEFAULT_BUDGET
 from ckpt_graph.compare.zoo import DEFAULTS, MODELS, WorkloadError, estimate_bytes
+from ckpt_graph.engine.decisions import normalize_policy, policy_names
 from ckpt_graph.planner.cost_model import parse_budget as _parse_budget
 
 _DTYPES = {
@@ -55,11 +56,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``ckpt-graph`` (subcommand ``compare``)."""
     parser = _Parser(prog="ckpt-graph", description="Activation checkpointing, compared.")
-    parser.add_argument(
-        "--version",
-        action="version",
-        version=f"ckpt-graph {ckpt_graph.__version__} (torch {torch.__version__})",
-    )
+    version = f"ckpt-graph {ckpt_graph.__version__} (torch {torch.__version__})"
+    parser.add_argument("--version", action="version", version=version)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     cmp = sub.add_parser(
         "compare",
@@ -69,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         "difference| against no checkpointing. Strategies: "
         + "; ".join(f"{k}: {v}" for k, v in STRATEGIES.items()),
     )
+    # `ckpt-graph compare --version` too: the README documents --version among compare's options
+    cmp.add_argument("--version", action="version", version=version)
     cmp.add_argument("--model", default="gpt", help=f"one of {', '.join(MODELS)} (default gpt)")
     for name, what in (
         ("layers", "number of blocks"),
@@ -105,14 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument(
         "--budget",
         default=None,
-        help="memory budget of cg-budget (and of --policy memory_budget): a fraction of the "
-        f"activation memory in (0, 1], or bytes such as 64MiB (default {DEFAULT_BUDGET})",
+        help="memory budget of cg-budget, as memory_budget reads it: a fraction of the "
+        f"activation memory in (0, 1] such as 0.5 or 1.0, or bytes such as 300000 or 64MiB "
+        f"(default {DEFAULT_BUDGET})",
     )
     cmp.add_argument(
         "--policy",
         default=None,
-        help=f"run strategy cg-policy: one region with this built-in policy, one of "
-        f"{', '.join(POLICY_NAMES)}",
+        help=f"run strategy cg-policy: one region with the policy of this name, one of "
+        f"{', '.join(policy_names())} (the names save_recompute_policy accepts)",
     )
     cmp.add_argument("--json", metavar="PATH", help="write all figures and machine info as JSON")
     cmp.add_argument(
@@ -129,8 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_budget(text: str) -> float | int:
-    """``--budget``: what ``memory_budget`` accepts, written on the command line: a fraction
-    in (0, 1] (``"0.5"``, ``"40%"``) or bytes (``"300000"``, ``"64MiB"``).
+    """``--budget``: the text as ``memory_budget`` reads it (one parser, one rule: see Note
+    [Budget argument]): a fraction in (0, 1] (``"0.5"``, ``"40%"``) or bytes (``"300000"``,
+    ``"64MiB"``); ``"1"`` is one byte and refused, ``"1.0"`` is 100%.
 
     Raises:
         UsageError: anything else, with ``memory_budget``'s explanation.
@@ -139,15 +141,8 @@ def parse_budget(text: str) -> float | int:
         >>> parse_budget("0.25"), parse_budget("2KiB")
         (0.25, 2048)
     """
-    number: float | None
     try:
-        number = float(text)
-    except ValueError:
-        number = None
-    try:
-        if number is not None and (number <= 1.0 or not number.is_integer()):
-            return _parse_budget(number)  # a plain number up to 1, or with a fraction: a fraction
-        return _parse_budget(int(number) if number is not None else text)
+        return _parse_budget(text)
     except CkptGraphError as e:
         raise UsageError(f"--budget {text!r}: {str(e).removeprefix('ckpt_graph: ')}") from None
 
@@ -229,10 +224,7 @@ def _check_args(args: argparse.Namespace) -> dict[str, object]:
     _check_output_path("--json", args.json)
     _check_output_path("--plot", args.plot, _plot_formats() if args.plot else ())
     if args.policy is not None:
-        if args.policy not in POLICY_NAMES:
-            raise UsageError(
-                f"unknown policy {args.policy!r}; choose from {', '.join(POLICY_NAMES)}"
-            )
+        _check_policy(args.policy)
         if "cg-policy" not in strategies:
             strategies.append("cg-policy")
     elif "cg-policy" in strategies:
@@ -240,10 +232,9 @@ def _check_args(args: argparse.Namespace) -> dict[str, object]:
     budget: float | int = DEFAULT_BUDGET
     if args.budget is not None:
         budget = parse_budget(args.budget)
-        if "cg-budget" not in strategies and args.policy != "memory_budget":
+        if "cg-budget" not in strategies:
             raise UsageError(
-                "--budget applies to strategy cg-budget or --policy memory_budget; add "
-                "cg-budget to --strategies"
+                "--budget applies to strategy cg-budget; add cg-budget to --strategies"
             )
     return {
         "model": args.model,
@@ -259,6 +250,19 @@ def _check_args(args: argparse.Namespace) -> dict[str, object]:
         "budget": budget,
         "policy": args.policy or "save_matmuls",
     }
+
+
+def _check_policy(name: str) -> None:
+    """``--policy``: a name ``save_recompute_policy`` accepts (one table: Note [Policy names])."""
+    if name == "memory_budget":  # takes a budget: the cg-budget strategy is that policy
+        raise UsageError(
+            "--policy 'memory_budget': memory_budget takes a budget, so it has no name; run "
+            "strategy cg-budget instead (in --strategies, the default) with --budget"
+        )
+    try:
+        normalize_policy(name)
+    except CkptGraphError as e:
+        raise UsageError(f"--policy {name!r}: {str(e).removeprefix('ckpt_graph: ')}") from None
 
 
 def _available_bytes(device: torch.device) -> int | None:

@@ -176,7 +176,7 @@ def run_comparison(
         count_ops: also count the aten ops and FLOPs of one step (extra_ops / extra_flops).
         threads: torch intra-op threads during the run (restored after); None keeps torch's.
         budget: memory_budget of cg-budget (fraction of the activation memory, or bytes).
-        policy: the built-in policy of cg-policy (one of ``POLICY_NAMES``).
+        policy: the policy name of cg-policy (see Note [Policy names]).
         measure: ``measure(fn, device=device) -> report`` with ``report.peak_bytes``; default
             ``ckpt_graph.memory.measure`` (peak memory is left out when it is not importable).
         progress: called as ``progress(done, total, label)`` while running.

@@ -25,11 +25,11 @@ from torch.utils.checkpoint import (
 
 from ckpt_graph._errors import CkptGraphValueError
 from ckpt_graph.compare.zoo import Workload
+from ckpt_graph.engine.decisions import normalize_policy
 
 __all__ = [
     "DEFAULT_BUDGET",
     "DEFAULT_STRATEGIES",
-    "POLICY_NAMES",
     "STRATEGIES",
     "StrategySkipped",
     "make_forward",
@@ -52,8 +52,6 @@ STRATEGIES: dict[str, str] = {
 # cg-policy runs only when asked for (``--policy NAME`` adds it).
 DEFAULT_STRATEGIES: tuple[str, ...] = tuple(s for s in STRATEGIES if s != "cg-policy")
 
-# Built-in policies ``--policy`` can name; memory_budget takes ``--budget``.
-POLICY_NAMES: tuple[str, ...] = ("recompute_all", "must_save_all", "save_matmuls", "memory_budget")
 DEFAULT_BUDGET = 0.5
 
 # Ops kept by the torch-sac strategy: the families of ckpt_graph.policies.save_matmuls
@@ -151,9 +149,9 @@ def make_forward(
 ) -> _Forward:
     """Return a function running one forward of ``w`` under strategy ``name``.
 
-    ``budget`` is the memory_budget of cg-budget (and of cg-policy with ``memory_budget``): a
-    fraction of the activation memory without checkpointing, or bytes. ``policy_name`` is
-    cg-policy's built-in, one of :data:`POLICY_NAMES`.
+    ``budget`` is the memory_budget of cg-budget: a fraction of the activation memory
+    without checkpointing, or bytes. ``policy_name`` is
+    cg-policy's policy, a name ``save_recompute_policy`` accepts (see Note [Policy names]).
 
     Raises:
         StrategySkipped: the strategy needs something missing here.
@@ -217,16 +215,10 @@ def make_forward(
             k = _sqrt_k(len(blocks))
         elif name == "cg-matmuls":
             policy = _policy("save_matmuls")
-        elif name == "cg-budget" or policy_name == "memory_budget":
+        elif name == "cg-budget":
             policy = _policy("memory_budget", budget)
-        elif policy_name == "save_matmuls":
-            policy = _policy("save_matmuls")
-        elif policy_name in POLICY_NAMES:
-            policy = policy_name
-        else:
-            raise CkptGraphValueError(
-                f"unknown policy {policy_name!r}; choose from {', '.join(POLICY_NAMES)}"
-            )
+        elif name == "cg-policy":
+            policy = normalize_policy(policy_name)  # the API's names: Note [Policy names]
 
         def tag_wrap(i: int, f: Callable[..., Any]) -> Callable[..., Any] | None:
             # Keep every k-th block output and the last one: torch-sqrt's segment inputs,

@@ -49,7 +49,8 @@ class save_recompute_policy:
     same region at any depth. See Note [Policy stack resolution].
 
     Args:
-        policy: ``"recompute_all"`` (default), ``"must_save_all"``, or a callable
+        policy: a name, ``"recompute_all"`` (default), ``"must_save_all"`` or
+            ``"save_matmuls"`` (see Note [Policy names]), or a callable
             ``policy(ctx, out, op, *args, **kwargs) -> CheckpointPolicy | bool | None``.
         debug: check each recomputed value against the forward's and name the first op
             that diverged, and each kept value (parameters included) against its value at

@@ -47,6 +47,8 @@ __all__ = [
     "PolicyFn",
     "normalize_policy",
     "policy_kwargs",
+    "policy_names",
+    "register_policy_name",
     "resolve",
     "to_decision",
 ]
@@ -76,28 +78,79 @@ class _ConstantPolicy:
         return repr(self.name)
 
 
+# The constant policies, one object each: a stack made of them decides without calls.
 POLICY_NAMES: dict[str, _ConstantPolicy] = {
     "recompute_all": _ConstantPolicy("recompute_all", CheckpointPolicy.PREFER_RECOMPUTE),
     "must_save_all": _ConstantPolicy("must_save_all", CheckpointPolicy.MUST_SAVE),
 }
 
+# Note [Policy names]
+# A policy may be given by name wherever a policy is accepted (``save_recompute_policy``,
+# ``checkpoint``, ``wrap``, the combinators, the HF integration) and by the same names on the
+# command line (``ckpt-graph compare --policy NAME``): one table, so that the two cannot
+# disagree. The names are the engine's constant policies (``POLICY_NAMES``) and the built-ins
+# of ``ckpt_graph.policies`` that take no argument (``save_matmuls``), which that package
+# registers here when it is imported: the engine may not import the stages above it (see
+# tests/test_layers.py), and importing any module of ckpt_graph imports the package, which
+# imports ``policies``. A registered name stands for a factory, called once per use, so no
+# policy object is shared between regions. A built-in that needs arguments (``memory_budget``
+# needs a budget, and plans across steps only as one object kept between them) has no name:
+# it is registered with an example of the call, which the "unknown policy" error shows.
+_FACTORIES: dict[str, Callable[[], PolicyFn]] = {}
+_CALL_EXAMPLES: dict[str, str] = {}
+
+
+def register_policy_name(
+    name: str, factory: Callable[[], PolicyFn] | None = None, *, example: str = ""
+) -> None:
+    """Make ``name`` stand for ``factory()`` wherever a policy is accepted.
+
+    With ``factory=None``, ``name`` is a built-in that takes arguments: using it as a name
+    raises, showing ``example`` (a call of it). See Note [Policy names].
+
+    Example:
+        >>> register_policy_name("save_matmuls", save_matmuls)  # doctest: +SKIP
+        >>> register_policy_name("memory_budget", example="policies.memory_budget(0.5)")  # doctest: +SKIP
+    """
+    if factory is None:
+        _CALL_EXAMPLES[name] = example
+    else:
+        _FACTORIES[name] = factory
+
+
+def policy_names() -> tuple[str, ...]:
+    """Every name a policy argument accepts, the constant policies first.
+
+    See Note [Policy names].
+    """
+    return (*POLICY_NAMES, *_FACTORIES)
+
 
 def normalize_policy(policy: Any) -> PolicyFn:
-    """Turn a policy argument (string name or callable) into a callable.
+    """Turn a policy argument (a name of :func:`policy_names` or a callable) into a callable.
 
     Raises:
         ValueError: for an unknown policy name.
         TypeError: for anything that is neither a string nor callable.
     """
     if isinstance(policy, str):
-        try:
-            return POLICY_NAMES[policy]
-        except KeyError:
-            names = ", ".join(repr(n) for n in POLICY_NAMES)
-            raise CkptGraphValueError(
-                f"ckpt_graph: unknown policy {policy!r}; valid names are {names}, or pass a "
-                "callable policy(ctx, out, op, *args, **kwargs) -> CheckpointPolicy | bool | None"
-            ) from None
+        constant = POLICY_NAMES.get(policy)
+        if constant is not None:
+            return constant
+        factory = _FACTORIES.get(policy)
+        if factory is not None:
+            return factory()
+        names = ", ".join(repr(n) for n in policy_names())
+        example = _CALL_EXAMPLES.get(policy)
+        why = (
+            f"{policy} takes arguments, so it has no name: pass the policy, e.g. {example}; "
+            if example is not None
+            else ""
+        )
+        raise CkptGraphValueError(
+            f"ckpt_graph: unknown policy {policy!r}; {why}valid names are {names}, or pass a "
+            "callable policy(ctx, out, op, *args, **kwargs) -> CheckpointPolicy | bool | None"
+        )
     if callable(policy):
         if not isinstance(policy, _ConstantPolicy):
             from ckpt_graph.engine.torch_sac import adapt_if_torch_sac  # late: it imports us

@@ -203,6 +203,23 @@ def _select(
     return selected
 
 
+def _names_hint(model: torch.nn.Module, most: int = 8) -> str:
+    """The module names ``match`` could select in ``model``: its module lists as patterns
+    (``'blocks.*'``), else its top-level children; never a name the model does not have."""
+    lists = [
+        f"{name + '.*'!r} ({len(m)} module{'s' if len(m) > 1 else ''})"
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.ModuleList) and len(m) and name
+    ]
+    if lists:
+        return f"its module lists match {', '.join(lists[:most])}"
+    children = [name for name, _ in model.named_children()]
+    if not children:
+        return f"{type(model).__name__} has no submodules"
+    more = f" and {len(children) - most} more" if len(children) > most else ""
+    return f"its submodules are {', '.join(repr(n) for n in children[:most])}{more}"
+
+
 def wrap(
     model: torch.nn.Module,
     policy: Any = "recompute_all",
@@ -253,8 +270,9 @@ def wrap(
     if not selected:
         what = "no nn.ModuleList children" if match is None else f"nothing matched {match!r}"
         raise CkptGraphValueError(
-            f"ckpt_graph: wrap() found {what} in {type(model).__name__}; pass match= "
-            "(a module class, a name pattern such as 'layers.*', or a predicate)"
+            f"ckpt_graph: wrap() found {what} in {type(model).__name__}; "
+            f"{_names_hint(model)}. Pass match= a name pattern of these, a module class, or "
+            "a predicate (name, module) -> bool"
         )
     if not _RUN_EAGERLY:
         from torch._dynamo import disable

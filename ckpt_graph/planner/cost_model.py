@@ -8,7 +8,11 @@
 #     spaces and a decimal number (``"1.5 GiB"``); ``"40%"`` is the fraction 0.4;
 #   - an int below 1 KiB is refused: no region fits in a few bytes, and ``memory_budget(1)``
 #     is almost always meant as 100% (``memory_budget(1.0)``). The message says so.
-#   - a bare ``K``/``M``/``G`` is refused (bytes or bits? powers of 1000 or 1024?).
+#   - a bare ``K``/``M``/``G`` is refused (bytes or bits? powers of 1000 or 1024?);
+#   - a string without a unit is the Python number it spells, with the same rule:
+#     ``"4096"`` is the int 4096 (bytes), ``"0.5"`` and ``"2e-1"`` floats (fractions), and
+#     ``"1"`` one byte, refused like ``1``. ``ckpt-graph compare --budget TEXT`` passes its
+#     text here, so the command line and the API accept the same budgets (one parser).
 # Every refusal is a ``CkptGraphError`` naming the value and the accepted forms.
 
 # Note [Recompute cost model]
@@ -22,7 +26,9 @@
 # *calibrated* once per process, at the first plan, from two measured op times (the best of
 # 9 interleaved runs of a 256^3 float32 matmul and of a 2^20-element float32 add, about
 # 30 ms in all), and clamped to [0.5, 16] (measured here: 0.9-2.4 on the loaded 2-core CPU);
-# ``memory_budget(..., flops_per_byte=x)`` fixes it instead (tests, reproducible plans). Before this model, a pointwise op cost one FLOP per output
+# ``memory_budget(..., flops_per_byte=x)`` fixes it for one policy, and the environment
+# variable ``CKPT_GRAPH_FLOPS_PER_BYTE`` for every policy that does not pass it (see Note
+# [Pinned calibration]). Before this model, a pointwise op cost one FLOP per output
 # element, i.e. 0.25 FLOP per byte written for float32 and nothing for its reads, so plans
 # recomputed long pointwise chains (GELU, softmax, dropout) as if they were nearly free and
 # kept matmul outputs less often than their time warrants.
@@ -30,12 +36,27 @@
 # moves bytes more slowly than an add); bytes are the tensors' sizes, not what the kernel
 # touches (broadcasts count once); calibration on a loaded machine is noisy (the clamp bounds
 # the damage; plans are made once and reused).
+
+# Note [Pinned calibration]
+# A plan depends on ``flops_per_byte``, so a calibrated one makes the same program plan
+# differently from machine to machine and from run to run (a loaded core slows the add more
+# than the matmul, or the reverse): measured 2.3-4.6 in three processes on one loaded 2-core
+# CPU. Where plans must agree, the environment variable ``CKPT_GRAPH_FLOPS_PER_BYTE`` pins
+# the ratio for every ``memory_budget`` that was not given ``flops_per_byte=``:
+#   - a test session (``tests/conftest.py`` sets it, so no test result depends on the
+#     machine or its load);
+#   - the processes of one distributed job (ranks that calibrate on their own may plan the
+#     same layers differently);
+#   - a benchmark compared across machines.
+# It is read at each plan (not cached), so changing it between steps takes effect at the
+# next plan; a value that is not a finite number >= 0 raises, naming the variable.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -52,7 +73,16 @@ if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
     from ckpt_graph.engine.region import Region
 
-__all__ = ["calibrated_flops_per_byte", "op_cost", "parse_budget", "recorded_costs"]
+__all__ = [
+    "FLOPS_PER_BYTE_ENV",
+    "calibrated_flops_per_byte",
+    "machine_flops_per_byte",
+    "op_cost",
+    "parse_budget",
+    "recorded_costs",
+]
+
+FLOPS_PER_BYTE_ENV = "CKPT_GRAPH_FLOPS_PER_BYTE"
 
 _MIN_BYTES = 1024
 _FORMS = (
@@ -69,7 +99,7 @@ def parse_budget(budget: object) -> int | float:
         CkptGraphError: not a budget; the message gives the accepted forms.
 
     Example:
-        >>> parse_budget("1.5 KiB"), parse_budget(0.25), parse_budget("40%"), parse_budget(4096)
+        >>> parse_budget("1.5 KiB"), parse_budget(0.25), parse_budget("40%"), parse_budget("4096")
         (1536, 0.25, 0.4, 4096)
     """
     if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
@@ -100,6 +130,9 @@ def parse_budget(budget: object) -> int | float:
 
 
 def _parse_str(text: str) -> int | float:
+    number = _bare_number(text)
+    if number is not None:
+        return parse_budget(number)
     if text.strip().endswith("%"):
         try:
             percent = float(text.strip()[:-1])
@@ -115,6 +148,18 @@ def _parse_str(text: str) -> int | float:
             f"percentage; {_FORMS}"
         )
     return parse_budget(size)
+
+
+def _bare_number(text: str) -> int | float | None:
+    """The Python number a string without a unit spells (``"4096"``: 4096, ``"0.5"``: 0.5),
+    else ``None``. See Note [Budget argument]."""
+    stripped = text.strip()
+    if stripped.isdigit():
+        return int(stripped)
+    try:
+        return float(stripped)
+    except ValueError:
+        return None
 
 
 def op_cost(flops: int, nbytes: int, flops_per_byte: float) -> int:
@@ -218,3 +263,33 @@ def calibrated_flops_per_byte() -> float:
     byte_rate = 3 * 4 * (1 << 20) / add_s
     lo, hi = _CLAMP
     return min(max(flop_rate / byte_rate, lo), hi)
+
+
+def machine_flops_per_byte() -> float:
+    """The ``flops_per_byte`` of a plan whose policy was not given one.
+
+    ``$CKPT_GRAPH_FLOPS_PER_BYTE`` when set (see Note [Pinned calibration]), else
+    :func:`calibrated_flops_per_byte`.
+
+    Raises:
+        CkptGraphValueError: the variable is set to something other than a finite number >= 0.
+
+    Example:
+        >>> os.environ[FLOPS_PER_BYTE_ENV] = "2"
+        >>> machine_flops_per_byte()
+        2.0
+        >>> del os.environ[FLOPS_PER_BYTE_ENV]
+    """
+    text = os.environ.get(FLOPS_PER_BYTE_ENV)
+    if text is None or not text.strip():
+        return calibrated_flops_per_byte()
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise CkptGraphValueError(
+            f"ckpt_graph: {FLOPS_PER_BYTE_ENV}={text!r} is not a number of FLOPs per byte: set "
+            f"it to a finite number >= 0 (e.g. 2.0), or unset it to calibrate on this machine"
+        )
+    return value

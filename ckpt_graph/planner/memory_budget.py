@@ -83,7 +83,7 @@ from ckpt_graph.planner.budget_sizes import (
     op_shapes,
     scaled,
 )
-from ckpt_graph.planner.cost_model import calibrated_flops_per_byte, parse_budget, recorded_costs
+from ckpt_graph.planner.cost_model import machine_flops_per_byte, parse_budget, recorded_costs
 from ckpt_graph.planner.local_search import Refinement
 from ckpt_graph.planner.menus import warm_kept
 from ckpt_graph.planner.plans import (
@@ -264,7 +264,7 @@ class MemoryBudget:
         """Recompute cost per op index of the block. See Note [Recompute cost model]."""
         fpb = self.flops_per_byte
         if fpb is None:
-            fpb = calibrated_flops_per_byte()
+            fpb = machine_flops_per_byte()  # See Note [Pinned calibration]
         return recorded_costs(region, run.answers, fpb)
 
     def _plan_step(self) -> bool:
@@ -400,8 +400,9 @@ def memory_budget(
             jointly when the next step starts. See Note [Memory budget policy] and Note
             [Step budget across regions].
         flops_per_byte: FLOPs one byte moved by a memory-bound op is worth when comparing
-            recompute costs; ``None`` measures it on this machine at the first plan. See
-            Note [Recompute cost model].
+            recompute costs; ``None`` takes ``$CKPT_GRAPH_FLOPS_PER_BYTE`` if set, else
+            measures it on this machine at the first plan. See Note [Recompute cost model]
+            and Note [Pinned calibration].
 
     Raises:
         CkptGraphError: ``budget`` is not a budget (e.g. ``memory_budget(1)``: one byte; pass

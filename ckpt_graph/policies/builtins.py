@@ -24,6 +24,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphTypeError
+from ckpt_graph.engine.decisions import normalize_policy, policy_names, register_policy_name
 from ckpt_graph.engine.torch_sac import adapt_if_torch_sac
 
 __all__ = [
@@ -119,13 +120,12 @@ class Policy(abc.ABC):
 def _resolve(policy: PolicyLike, where: str) -> Callable[..., Answer]:
     """Turn a string name into its policy; check that anything else is callable."""
     if isinstance(policy, str):
-        from ckpt_graph.engine.decisions import normalize_policy  # late: decisions may import us
-
         resolved: Callable[..., Answer] = normalize_policy(policy)
         return resolved
     if not callable(policy):
         raise CkptGraphTypeError(
-            f"ckpt_graph: {where}: expected a policy (a callable or 'recompute_all' / 'must_save_all'), "
+            f"ckpt_graph: {where}: expected a policy (a callable or one of the names "
+            f"{', '.join(repr(n) for n in policy_names())}), "
             f"got {policy!r} of type {type(policy).__name__}"
         )
     # See Note [torch SAC policies passed as ckpt_graph policies]
@@ -366,3 +366,16 @@ class offload(Policy):
     def _repr_args(self) -> str:
         name = getattr(self._select, "__qualname__", None) or repr(self._select)
         return name + (", must=True" if self._must else "")
+
+
+# The built-ins by name; those that take arguments only say how to call them. See Note
+# [Policy names].
+register_policy_name("save_matmuls", save_matmuls)
+for _name, _example in (
+    ("memory_budget", "ckpt_graph.policies.memory_budget(0.5) (one object for every step)"),
+    ("save_ops", "ckpt_graph.policies.save_ops(torch.ops.aten.mm)"),
+    ("recompute_ops", "ckpt_graph.policies.recompute_ops(torch.ops.aten.gelu)"),
+    ("save_module_outputs", 'ckpt_graph.policies.save_module_outputs("blocks.*")'),
+    ("offload", "ckpt_graph.policies.offload(lambda ctx, out, op, *a, **k: ctx.out_bytes > 2**20)"),
+):
+    register_policy_name(_name, example=_example)

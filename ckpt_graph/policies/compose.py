@@ -78,7 +78,8 @@ class _Combinator(Policy):
 class first_answer(_Combinator):
     """Ask the policies in order; the first answer that is not None wins.
 
-    String names ("recompute_all", "must_save_all") are accepted in place of policies.
+    Policy names ("recompute_all", "must_save_all", "save_matmuls") are accepted in place of
+    policies. See Note [Policy names].
 
     Example:
         >>> aten = torch.ops.aten

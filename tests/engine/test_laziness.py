@@ -507,7 +507,8 @@ def test_memoized_flops_follow_shapes_and_arguments() -> None:
     got = decisions.estimate_flops(aten.convolution.default, out2, tuple(strided), {})
     assert got == int(formula(*strided, out_val=out2)) != want
     decisions._FLOPS_MEMO.clear()
+    out3 = torch.empty(2, 2)  # formulas read shapes: no product needs computing
     for n in range(decisions._FLOPS_MEMO_SIZE + 5):  # bounded: cleared when full
-        m = torch.empty(1, n + 1)
-        decisions.estimate_flops(aten.mm.default, m.t() @ m, (m.t(), m), {})
+        left, right = torch.empty(2, n + 1), torch.empty(n + 1, 2)  # a new shape each time
+        assert decisions.estimate_flops(aten.mm.default, out3, (left, right), {}) == 8 * (n + 1)
     assert len(decisions._FLOPS_MEMO) <= decisions._FLOPS_MEMO_SIZE

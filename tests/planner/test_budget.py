@@ -83,6 +83,7 @@ def test_solver_within_5_percent_of_brute_force(seed: int) -> None:
         assert sol.result.recompute_cost <= 1.05 * min(fits)
 
 
+@pytest.mark.slow  # run by .ci/run after the README's test command (issue 21 item 14)
 def test_solver_within_5_percent_of_brute_force_on_18_candidates() -> None:
     seed = next(s for s in range(100, 400) if len(candidate_ops(random_graph(s, 22))) == 18)
     g = random_graph(seed, 22)
@@ -281,7 +282,10 @@ def test_nested_inside_another_policy_plans_only_its_block() -> None:
     assert names["aten.sin.default"] != repr(policy) and names["aten.cos.default"] != repr(policy)
 
 
-@pytest.mark.parametrize("fraction", [0.3, 0.5, 0.8])
+@pytest.mark.parametrize(
+    "fraction",
+    [pytest.param(0.3, marks=pytest.mark.slow), 0.5, pytest.param(0.8, marks=pytest.mark.slow)],
+)
 def test_first_step_heuristic_roughly_respects_the_budget(fraction: float) -> None:
     torch.manual_seed(0)
     model = GPT(64, 32, 4, 2, 16).train()
@@ -324,7 +328,10 @@ def gpt_step(model: GPT, x: torch.Tensor, policy: MemoryBudget | None) -> None:
     y.pow(2).mean().backward()
 
 
-@pytest.mark.parametrize("fraction", [0.3, 0.5, 0.8])
+@pytest.mark.parametrize(
+    "fraction",
+    [pytest.param(0.3, marks=pytest.mark.slow), 0.5, pytest.param(0.8, marks=pytest.mark.slow)],
+)
 def test_first_step_measured_peak_is_roughly_within_the_budget(fraction: float) -> None:
     model, x, plain, ref = measured_gpt()
     policy = memory_budget(fraction)

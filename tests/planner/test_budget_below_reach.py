@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
+
 from ckpt_graph.compare.runner import run_comparison
 
 SIZES = dict(layers=4, width=64, batch=4, seq_len=64)
 
 
+@pytest.mark.slow  # run by .ci/run after the README's test command (issue 21 item 14)
 def test_below_reach_beats_torch_checkpoint_per_block() -> None:
     """memory_budget(0.001) on a 4-layer GPT cannot fit; the plan it falls back to must
     measure no higher a step peak than torch.utils.checkpoint per block, for no more FLOPs,

@@ -76,6 +76,7 @@ def batch(b: int, s: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (b, s))
 
 
+@pytest.mark.slow  # run by .ci/run after the README's test command (issue 21 item 14)
 def test_fraction_budget_applies_its_plan_to_unseen_sizes(plans_made: list[int]) -> None:
     step = Step(model())
     policy = memory_budget(0.5)
@@ -105,6 +106,7 @@ def test_fraction_budget_applies_its_plan_to_unseen_sizes(plans_made: list[int])
     assert report is not None and report.reuses == 5
 
 
+@pytest.mark.slow  # run by .ci/run after the README's test command (issue 21 item 14)
 def test_int_budget_plans_again_only_for_a_new_largest_size(plans_made: list[int]) -> None:
     step = Step(model())
     budget = 150_000
@@ -159,6 +161,7 @@ def solver_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     return calls
 
 
+@pytest.mark.slow  # run by .ci/run after the README's test command (issue 21 item 14)
 def test_int_budget_at_a_new_largest_size_starts_from_the_smaller_plan(
     solver_calls: Counter[str],
 ) -> None:
@@ -247,6 +250,7 @@ def test_per_block_regions_at_a_new_largest_size_reuse_the_smaller_menus(
         assert peak - others <= 1.03 * budget, (b, s, peak - others)
 
 
+@pytest.mark.slow  # run by .ci/run after the README's test command (issue 21 item 14)
 def test_a_warm_start_is_refined_at_later_steps_until_its_search_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -307,6 +311,7 @@ def simulations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return count
 
 
+@pytest.mark.slow  # run by .ci/run after the README's test command (issue 21 item 14)
 def test_int_budget_below_reach_at_a_new_largest_size_costs_about_a_warm_start(
     simulations: list[int],
 ) -> None:

@@ -40,13 +40,24 @@ def _policy(name: str) -> Any:
     return name
 
 
+def _cases(*axes: list[Any], quick: Any) -> list[Any]:
+    """Every combination of ``axes``; those ``quick(case)`` rejects are marked slow (they
+    run in CI after the README's test command; issue 21 item 14)."""
+    cases: list[tuple[Any, ...]] = [()]
+    for axis in axes:
+        cases = [(*c, v) for c in cases for v in axis]
+    return [c if quick(*c) else pytest.param(*c, marks=pytest.mark.slow) for c in cases]
+
+
 def _runs(region: cg.Region) -> list[int]:
     return [n.realized for n in region.nodes]
 
 
-@pytest.mark.parametrize("cache_limit", CACHE_LIMITS, ids=str)
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(
+    ("name", "policy", "cache_limit"),
+    # quick: every model and policy at the default bound, the MLP at every bound
+    _cases(MODELS, POLICIES, CACHE_LIMITS, quick=lambda n, p, c: c is None or n == "mlp"),
+)
 def test_simulated_pass_matches_the_real_one(name: str, policy: str, cache_limit: Any) -> None:
     w = _workload(name)
     with warnings.catch_warnings():
@@ -64,8 +75,10 @@ def test_simulated_pass_matches_the_real_one(name: str, policy: str, cache_limit
     )
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(
+    ("name", "policy"),
+    _cases(MODELS, POLICIES, quick=lambda n, p: n == "mlp" or p == "recompute_all"),
+)
 def test_each_pass_of_a_retained_graph_runs_what_the_simulator_predicts(
     name: str, policy: str
 ) -> None:
