@@ -32,6 +32,7 @@ class Run:
     kept_at_enter: int
     plans: list[Plan]
     inputs_at_enter: int = 0
+    saved_at_enter: int = 0  # the region's saved tensors when the block opened
     exact: list[Plan] = field(default_factory=list)  # See Note [Plans across sizes].
     elements: int = 0
     grown: bool = False

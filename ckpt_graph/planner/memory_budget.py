@@ -62,15 +62,30 @@
 #    value can make the engine record one (torch's ``make_variable`` dispatches a detach
 #    after a kept factory op returns), which would shift positions
 #    between a step decided by the heuristic and one decided by the plan.
+# 7. Not training steps. A block entered with grad disabled (``torch.no_grad()``,
+#    inference mode: an evaluation pass) saves nothing for backward: the policy abstains
+#    for its ops, and it neither starts a step nor takes an ordinal. A block that saved
+#    nothing (only in-place ops, say) is dropped from its step at exit: there is nothing
+#    to plan, and planning it replaced the step's plans (issue 21 items 4 and 10: after
+#    three steps at 0.5 on six wrapped MLP blocks, one no-grad pass made the next step
+#    peak at 1.15x its budgeted peak, and 1.84x with one region).
+# 8. Plans by graph. A step of one region whose graph switches between a few (a layer
+#    skipped every other step, train/eval modules, two models sharing the policy) would
+#    be planned from scratch at each switch. Its plans are kept by graph signature (the
+#    ``_CACHE`` most recent): a region tries them after the plans of the step (rule 3),
+#    and a step whose graph has a kept plan takes it with no solver. Per-layer steps keep
+#    their graphs' menus (Note [Step budget across regions] rule 2).
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
+from collections import OrderedDict
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphValueError
@@ -111,6 +126,8 @@ _WARM = "warm start"
 # local search of a warm start, then per later step (Note [Warm start at a new size])
 _WARM_EVALS = 40
 _REFINE_EVALS = 10
+# plans of single-region steps kept by graph signature (rule 8 of Note [Memory budget policy])
+_CACHE = 8
 
 
 class MemoryBudget:
@@ -146,6 +163,8 @@ class MemoryBudget:
         self._step_plan: StepPlan | None = None
         # a warm start's search, continued at later steps (Note [Warm start at a new size])
         self._refining: tuple[int, RegionGraph, int, Refinement] | None = None
+        # plans of steps of one region by graph signature, most recent last (rule 8)
+        self._cache: OrderedDict[tuple[Signature, ...], Plan] = OrderedDict()
 
     def __repr__(self) -> str:
         return f"memory_budget({self.budget!r})"
@@ -156,6 +175,8 @@ class MemoryBudget:
         if run is not None:
             run.depth += 1
             return
+        if not torch.is_grad_enabled():  # not a training step: See Note [Memory budget policy]
+            return
         if all(_done(r()) for r in self._step):  # a new step: plan the last one
             if not self._plan_step():
                 self._refine()
@@ -165,7 +186,9 @@ class MemoryBudget:
         self._step.append(weakref.ref(region))
         own = self._plans.get(ordinal)
         plans = ([own] if own is not None else []) + [
-            p for p in dict.fromkeys(self._plans.values()) if p is not own
+            p
+            for p in dict.fromkeys([*self._plans.values(), *reversed(self._cache.values())])
+            if p is not own
         ]
         self._runs[id(region)] = Run(
             len(region.nodes),
@@ -173,6 +196,7 @@ class MemoryBudget:
             region.kept_bytes,
             plans,
             len(region.inputs),
+            len(region._saved_handles),
             exact=list(plans),
         )
 
@@ -185,6 +209,9 @@ class MemoryBudget:
         if run.depth > 0:
             return
         del self._runs[id(region)]
+        if len(region._saved_handles) == run.saved_at_enter:  # saved nothing: not planned (rule 7)
+            self._step = [r for r in self._step if r() is not region]
+            return
         n = len(run.signature)
         inputs = input_bytes(region, run.inputs_at_enter, self._storages)
         if run.lag == 0 and run.exact and len(run.exact[0].signature) == n:
@@ -230,7 +257,10 @@ class MemoryBudget:
         run = self._runs.get(id(region))
         if run is None:  # called without on_region_enter: start here
             self.on_region_enter(region)
-            run = self._runs[id(region)]
+            found = self._runs.get(id(region))
+            if found is None:  # grad disabled: nothing is saved, abstain (rule 7)
+                return None
+            run = found
             run.start = ctx.op_index
         index = ctx.op_index
         name = ctx.op_name
@@ -291,6 +321,13 @@ class MemoryBudget:
         """A step of one region: the solver alone (rule 4 of Note [Step budget across
         regions]), or a warm start (Note [Warm start at a new size])."""
         graph = seen.graph
+        cached = self._cache.get(graph.signature)
+        if cached is not None:  # planned before: See rule 8 of Note [Memory budget policy].
+            self._cache.move_to_end(graph.signature)
+            self._plans[seen.ordinal] = cached
+            self._last = cached.report
+            self._step_plan = None
+            return
         fraction = isinstance(self.budget, float)
         budget = int(self.budget * graph.baseline) if fraction else int(self.budget)
         limit = budget + graph.outside
@@ -317,8 +354,16 @@ class MemoryBudget:
             )
         plan = make_plan(graph, option, seen.ordinal, budget)
         self._plans[seen.ordinal] = plan
+        self._remember(plan)
         self._last = plan.report
         self._step_plan = None
+
+    def _remember(self, plan: Plan) -> None:
+        """Cache the plan of a step of one region (rule 8 of Note [Memory budget policy])."""
+        self._cache[plan.signature] = plan
+        self._cache.move_to_end(plan.signature)
+        while len(self._cache) > _CACHE:
+            self._cache.popitem(last=False)
 
     def _refine(self) -> None:
         """Continue a warm start's search; a cheaper plan found replaces the step's plan.
@@ -336,6 +381,7 @@ class MemoryBudget:
             plan = make_plan(graph, Option(ref.kept, ref.result, _WARM), ordinal, budget)
             plan.report = replace(plan.report, reuses=old.report.reuses)
             self._plans[ordinal] = plan
+            self._remember(plan)
             self._last = plan.report
         if ref.done:
             self._refining = None
