@@ -75,7 +75,17 @@ def region_graph(region: Region, run: Run, costs: dict[int, int]) -> RegionGraph
     baseline = sum(g.values[s].nbytes for s in own if g.values[s].producer >= 0)
     outside = fixed_before(g, run.start)
     positions = {j: run.positions[j] for j in candidates if j in run.positions}
-    return RegionGraph(tuple(run.signature), g, candidates, positions, baseline, outside, hand)
+    views = {  # See Note [Kept views]; detach ops have no position (-1)
+        j: run.positions.get(j, -1)
+        for j in free
+        if j not in positions
+        and g.ops[j].cost == 0
+        and g.ops[j].outputs
+        and all(g.values[o].storage != o for o in g.ops[j].outputs)
+    }
+    return RegionGraph(
+        tuple(run.signature), g, candidates, positions, baseline, outside, hand, views=views
+    )
 
 
 def fixed_before(g: SimGraph, start: int) -> int:
