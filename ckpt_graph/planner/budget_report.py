@@ -62,7 +62,8 @@ class BudgetReport(PlanReport):
         fits = "fits" if self.feasible else "does not fit: the lowest peak found"
         lines = [
             f"{self.policy}: one region per step, plan of region #{self.ordinal}"
-            + (f" (from the {self.method} plan)" if self.method else ""),
+            + (f" (from the {self.method} plan)" if self.method else "")
+            + f": predicted peak {_mib(self.predicted_peak_bytes)}, {fits}",
             f"  {'budget':<20}{_mib(self.budget_bytes):>14}  {covers}",
             f"  {'predicted peak':<20}{_mib(self.predicted_peak_bytes):>14}  activations "
             f"({_mib(self.predicted_total_peak_bytes)} with gradient buffers); {fits}",
@@ -77,7 +78,10 @@ class BudgetReport(PlanReport):
             f"{self.recomputed_ops} ops; {self.reuses} steps used this plan"
         )
         kept = sum(k.nbytes for k in self.kept)
-        lines.append(f"  kept {len(self.kept)} of {self.candidates} candidate ops, {_mib(kept)}:")
+        lines.append(
+            f"  kept {len(self.kept)} ops, {_mib(kept)} ({self.candidates} candidates; views "
+            "of kept values cost nothing):"
+        )
         lines.append(f"    {'op':>6}  {'name':<36} {'MiB':>10}")
         lines += [f"    {k.op_index:>6}  {k.op:<36} {k.nbytes / _MIB:>10.3f}" for k in self.kept]
         return "\n".join(lines)
@@ -97,7 +101,7 @@ def step_table(step: StepPlan, policy: str = "memory_budget", fraction: float | 
     fits = "fits" if step.feasible else "does not fit: the lowest peak found"
     lines = [
         f"{policy}: {step.regions} regions per step, planned jointly (distinct graphs: "
-        f"{step.graphs})",
+        f"{step.graphs}): predicted peak {_mib(step.predicted_peak_bytes)}, {fits}",
         f"  {'budget':<20}{_mib(step.budget_bytes):>14}  {covers}",
         f"  {'predicted peak':<20}{_mib(step.predicted_peak_bytes):>14}  the regions' kept "
         "values, activation inputs, gradient buffers and forward peaks "

@@ -284,9 +284,9 @@ class MemoryBudget:
         index = ctx.op_index
         name = ctx.op_name
         if name == _DETACH:  # see rule 6 of Note [Memory budget policy]
-            keep = views_of_kept(region, run, args)
-            run.answers[index] = keep
-            return _SAVE if keep else _RECOMPUTE
+            free = views_of_kept(region, run, args)
+            run.answers[index] = free
+            return _SAVE if free else _RECOMPUTE
         pos = len(run.signature)
         sig = (name, op_shapes(out))
         run.signature.append(sig)
