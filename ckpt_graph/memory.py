@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import heapq
 import os
@@ -24,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from ckpt_graph._errors import CkptGraphError, CkptGraphImportError, CkptGraphValueError
 
-__all__ = ["MemoryPoint", "MemoryReport", "measure", "measure_with_result"]
+__all__ = ["MemoryPoint", "MemoryReport", "StepProbe", "measure", "measure_with_result"]
 
 T = TypeVar("T")
 Phase = Literal["forward", "backward", "recompute"]
@@ -44,6 +45,17 @@ _PHASE_COLOURS: dict[str, str] = {
 # One measure() at a time in the process: two profiler sessions started from two threads crash
 # torch, and the CUDA peak statistic is process-wide.
 _MEASURE_LOCK = threading.Lock()
+# The running StepProbe, if any: measure() abandons it (one at a time, under _MEASURE_LOCK),
+# and so does the interpreter's exit (a profiler still running then crashes it).
+_PROBES: list[StepProbe] = []
+
+
+@atexit.register
+def _abandon_probes() -> None:
+    for probe in list(_PROBES):
+        probe.abandon()
+
+
 _BUSY = (
     "ckpt_graph: measure() cannot run while another measure() (nested, or in another thread) "
     "or a torch.profiler.profile is running; measure the outer call only, or run the "
@@ -242,6 +254,8 @@ def measure_with_result(
             f"ckpt_graph: measure(device={str(dev)!r}) needs CUDA, which is not available; "
             "use device='cpu'"
         )
+    for probe in list(_PROBES):  # a measurement asked for explicitly wins over a probe
+        probe.abandon()
     if not _MEASURE_LOCK.acquire(blocking=False):
         raise CkptGraphError(_BUSY)
     try:
@@ -288,6 +302,99 @@ def _measure_cuda(
     peak = torch.cuda.max_memory_allocated(index) - start
     end = torch.cuda.memory_allocated(index) - start
     return result, MemoryReport(peak, end, (), f"cuda:{index}")
+
+
+class StepProbe:
+    """The peak of a stretch of a program that no single call encloses, started and stopped
+    from hooks (``memory_budget`` measures one training step with it).
+
+    Same figures as :func:`measure` (Note [Measuring CPU memory]; the CUDA counters on
+    CUDA), relative to the level at :meth:`start`.
+
+    Known limitations:
+        A probe cannot start while a :func:`measure`, a profiler or another probe runs
+        (``start`` then returns False); a :func:`measure` started while it runs abandons it
+        (``stop`` then returns None). On CPU the profiler records every op while it runs,
+        which slows that stretch several times; on CUDA it resets the process's peak
+        statistic.
+
+    Example:
+        >>> probe = StepProbe("cpu")
+        >>> probe.start()
+        True
+        >>> keep = torch.empty(4096, dtype=torch.uint8)
+        >>> probe.stop()
+        4096
+    """
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self._prof: profile | None = None
+        self._range: Any = None
+        self._start = 0
+        self._abandoned = False
+
+    @property
+    def running(self) -> bool:
+        """Whether :meth:`start` succeeded and :meth:`stop` was not called since."""
+        return self._range is not None
+
+    def start(self) -> bool:
+        """Start measuring; False (and nothing started) when another measurement runs."""
+        if self.running or not _MEASURE_LOCK.acquire(blocking=False):
+            return False
+        if self.device.type == "cuda":
+            index = self.device.index if self.device.index is not None else 0
+            torch.cuda.synchronize(index)
+            torch.cuda.reset_peak_memory_stats(index)
+            self._start = torch.cuda.memory_allocated(index)
+            self._range = index
+            _PROBES.append(self)
+            return True
+        if torch.autograd.profiler._is_profiler_enabled or torch._C._autograd._profiler_enabled():
+            _MEASURE_LOCK.release()
+            return False
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        primer = torch.empty(1, dtype=torch.uint8)
+        with _quiet_stderr():
+            self._prof.start()
+            del primer  # See _measure_cpu.
+        self._range = record_function(_MARKER)
+        self._range.__enter__()
+        _PROBES.append(self)
+        return True
+
+    def abandon(self) -> None:
+        """Stop without a result: :func:`measure` was asked for while the probe ran."""
+        if self.running:
+            self._abandoned = True
+            self.stop()
+
+    def stop(self) -> int | None:
+        """The peak since :meth:`start` in bytes (None if not running)."""
+        if not self.running:
+            return None
+        abandoned, self._abandoned = self._abandoned, False
+        try:
+            if self.device.type == "cuda":
+                index = self._range
+                torch.cuda.synchronize(index)
+                return int(torch.cuda.max_memory_allocated(index) - self._start)
+            self._range.__exit__(None, None, None)
+            prof = self._prof
+            assert prof is not None
+            with _quiet_stderr():
+                prof.stop()
+            results = prof.profiler.kineto_results if prof.profiler is not None else None
+            if results is None or abandoned:
+                return None
+            return _replay(results.experimental_event_tree()).peak_bytes
+        finally:
+            self._range = None
+            self._prof = None
+            if self in _PROBES:
+                _PROBES.remove(self)
+            _MEASURE_LOCK.release()
 
 
 @contextlib.contextmanager

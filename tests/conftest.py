@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from ckpt_graph import memory
 from ckpt_graph.planner.cost_model import FLOPS_PER_BYTE_ENV
 
 # Every memory_budget that is not given flops_per_byte= plans with this ratio instead of one
@@ -56,5 +57,9 @@ def _clean_state() -> Iterator[None]:
     torch.set_grad_enabled(grad_enabled)
     if models is not None:
         models.reset_counters()
+    # A memory_budget's measured-step probe (Note [Measured budget check]) runs until its
+    # policy's next step; a test that ends first must not leave a profiler collecting events
+    # through every later test.
+    memory._abandon_probes()
     assert not modes, f"dispatch modes left active after the test: {modes}"
     assert hooks is None, "saved-tensor hooks left installed after the test"

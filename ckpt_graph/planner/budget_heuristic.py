@@ -16,7 +16,7 @@ from ckpt_graph.planner.plans import Plan, Signature
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
 
-__all__ = ["Run", "aliases", "count_saved", "heuristic", "tensors"]
+__all__ = ["Run", "aliases", "count_saved", "heuristic", "tensors", "views_of_kept"]
 
 _CHAIN_OPS = 200
 _CHEAP = 0.9
@@ -32,6 +32,7 @@ class Run:
     kept_at_enter: int
     plans: list[Plan]
     inputs_at_enter: int = 0
+    saved_at_enter: int = 0  # the region's saved tensors when the block opened
     exact: list[Plan] = field(default_factory=list)  # See Note [Plans across sizes].
     elements: int = 0
     grown: bool = False
@@ -60,6 +61,8 @@ def heuristic(
     nbytes = ctx.out_bytes
     if ctx.is_inplace or aliases(out, args):
         nbytes = 0  # nothing of its own to keep
+    if isinstance(budget, float) and budget >= 1.0:  # all the region keeps without checkpointing
+        return nbytes > 0 or (not ctx.is_inplace and views_of_kept(region, run, args))
     # the recomputed values backward runs to recompute this one (rule 5b)
     chain: set[int] = set()
     for a in tensors(args):
@@ -84,6 +87,20 @@ def heuristic(
     if not keep:
         run.longest = max(run.longest, chain_bytes)
     return keep
+
+
+def views_of_kept(region: Region, run: Run, args: tuple[Any, ...]) -> bool:
+    """Whether every tensor argument of a view op is kept: keeping it costs no memory.
+
+    See rule 5d of Note [Memory budget policy] and Note [Kept views].
+    """
+    found = False
+    for a in tensors(args):
+        h = region.lookup(a)
+        if h is not None and h.node_index >= run.start and not h.kept:
+            return False
+        found = True
+    return found
 
 
 def count_saved(region: Region, run: Run) -> None:

@@ -52,29 +52,51 @@
 #       longest chain left recomputed so far (the reserve for backward's cached values) stay
 #       within the allowance for ops with a FLOP formula (matmuls, convolutions, attention:
 #       many FLOPs per byte), within ``_CHEAP`` x allowance for the others.
+#    d. A fraction of 1.0 or more is met by keeping every value the region saves: every op
+#       is kept, and so are views of kept values (no memory, see Note [Kept views]), so
+#       ``memory_budget(1.0)`` recomputes nothing from its first step on.
 #    In-place ops, views and ops without tensor outputs are recomputed. Measured (zoo, GPTs:
 #    tests/planner/test_budget.py, benchmarks/results_budget.md): the first step's simulated peak is
 #    0.8-1.3x the budget where a plan can fit it (before: up to 3.6x, and 0.2x at 90%); its
 #    recompute is 1.2-2.0x the plan's at 20-40% on the benchmark's 12-layer GPT but far
 #    above it at 60-90%, where the plan recomputes only cheap ops (the reserve in c stays
 #    conservative, and the first matmuls do not fit the allowance yet).
-# 6. Signatures skip ``aten.detach`` ops (always recomputed: views, no memory): keeping a
+# 6. Signatures skip ``aten.detach`` ops (views, no memory; kept only when their input is
+#    kept, see Note [Kept views]): keeping a
 #    value can make the engine record one (torch's ``make_variable`` dispatches a detach
 #    after a kept factory op returns), which would shift positions
 #    between a step decided by the heuristic and one decided by the plan.
+# 7. Not training steps. A block entered with grad disabled (``torch.no_grad()``,
+#    inference mode: an evaluation pass) saves nothing for backward: the policy abstains
+#    for its ops, and it neither starts a step nor takes an ordinal. A block that saved
+#    nothing (only in-place ops, say) is dropped from its step at exit: there is nothing
+#    to plan, and planning it replaced the step's plans (issue 21 items 4 and 10: after
+#    three steps at 0.5 on six wrapped MLP blocks, one no-grad pass made the next step
+#    peak at 1.15x its budgeted peak, and 1.84x with one region).
+# 8. Plans by graph. A step of one region whose graph switches between a few (a layer
+#    skipped every other step, train/eval modules, two models sharing the policy) would
+#    be planned from scratch at each switch. Its plans are kept by graph signature (the
+#    ``_CACHE`` most recent): a region tries them after the plans of the step (rule 3),
+#    and a step whose graph has a kept plan uses it with no solver (the ordinal's own
+#    plan stays the first one tried: with an int budget, the plan of the largest size). Per-layer steps keep
+#    their graphs' menus (Note [Step budget across regions] rule 2).
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from dataclasses import replace
+from collections import OrderedDict
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphValueError
-from ckpt_graph.planner.budget_heuristic import Run, count_saved, heuristic
+from ckpt_graph.planner.budget_check import BudgetCheck
+from ckpt_graph.planner.budget_heuristic import Run, count_saved, heuristic, views_of_kept
+from ckpt_graph.planner.budget_report import BudgetReport
 from ckpt_graph.planner.budget_sizes import (
     catch_up,
     cheap_start,
@@ -111,6 +133,8 @@ _WARM = "warm start"
 # local search of a warm start, then per later step (Note [Warm start at a new size])
 _WARM_EVALS = 40
 _REFINE_EVALS = 10
+# plans of single-region steps kept by graph signature (rule 8 of Note [Memory budget policy])
+_CACHE = 8
 
 
 class MemoryBudget:
@@ -123,8 +147,11 @@ class MemoryBudget:
         outside its regions (see Note [Step budget across regions]).
     """
 
-    def __init__(self, budget: int | float | str, *, flops_per_byte: float | None = None) -> None:
+    def __init__(
+        self, budget: int | float | str, *, flops_per_byte: float | None = None, check: bool = False
+    ) -> None:
         self.budget: int | float = parse_budget(budget)
+        self.check = check
         if flops_per_byte is not None and not flops_per_byte >= 0:
             raise CkptGraphValueError(
                 f"ckpt_graph: memory_budget(flops_per_byte={flops_per_byte!r}) must be >= 0 "
@@ -146,6 +173,9 @@ class MemoryBudget:
         self._step_plan: StepPlan | None = None
         # a warm start's search, continued at later steps (Note [Warm start at a new size])
         self._refining: tuple[int, RegionGraph, int, Refinement] | None = None
+        self._check = BudgetCheck()  # See Note [Measured budget check].
+        # plans of steps of one region by graph signature, most recent last (rule 8)
+        self._cache: OrderedDict[tuple[Signature, ...], Plan] = OrderedDict()
 
     def __repr__(self) -> str:
         return f"memory_budget({self.budget!r})"
@@ -156,16 +186,27 @@ class MemoryBudget:
         if run is not None:
             run.depth += 1
             return
+        if not torch.is_grad_enabled():  # not a training step: See Note [Memory budget policy]
+            return
         if all(_done(r()) for r in self._step):  # a new step: plan the last one
-            if not self._plan_step():
-                self._refine()
-            self._step, self._seen = [], []
-            self._storages = set()
+            recording, region._recording = region._recording, False  # not the region's ops
+            try:
+                self._measured_step()
+                if not self._plan_step():
+                    self._refine()
+                self._step, self._seen = [], []
+                self._storages = set()
+                if self.check:
+                    self._check.start(self._predicted())
+            finally:
+                region._recording = recording
         ordinal = len(self._step)
         self._step.append(weakref.ref(region))
         own = self._plans.get(ordinal)
         plans = ([own] if own is not None else []) + [
-            p for p in dict.fromkeys(self._plans.values()) if p is not own
+            p
+            for p in dict.fromkeys([*self._plans.values(), *reversed(self._cache.values())])
+            if p is not own
         ]
         self._runs[id(region)] = Run(
             len(region.nodes),
@@ -173,6 +214,7 @@ class MemoryBudget:
             region.kept_bytes,
             plans,
             len(region.inputs),
+            len(region._saved_handles),
             exact=list(plans),
         )
 
@@ -185,6 +227,10 @@ class MemoryBudget:
         if run.depth > 0:
             return
         del self._runs[id(region)]
+        self._check.note_region(region)
+        if len(region._saved_handles) == run.saved_at_enter:  # saved nothing: not planned (rule 7)
+            self._step = [r for r in self._step if r() is not region]
+            return
         n = len(run.signature)
         inputs = input_bytes(region, run.inputs_at_enter, self._storages)
         if run.lag == 0 and run.exact and len(run.exact[0].signature) == n:
@@ -230,13 +276,17 @@ class MemoryBudget:
         run = self._runs.get(id(region))
         if run is None:  # called without on_region_enter: start here
             self.on_region_enter(region)
-            run = self._runs[id(region)]
+            found = self._runs.get(id(region))
+            if found is None:  # grad disabled: nothing is saved, abstain (rule 7)
+                return None
+            run = found
             run.start = ctx.op_index
         index = ctx.op_index
         name = ctx.op_name
         if name == _DETACH:  # see rule 6 of Note [Memory budget policy]
-            run.answers[index] = False
-            return _RECOMPUTE
+            free = views_of_kept(region, run, args)
+            run.answers[index] = free
+            return _SAVE if free else _RECOMPUTE
         pos = len(run.signature)
         sig = (name, op_shapes(out))
         run.signature.append(sig)
@@ -291,9 +341,16 @@ class MemoryBudget:
         """A step of one region: the solver alone (rule 4 of Note [Step budget across
         regions]), or a warm start (Note [Warm start at a new size])."""
         graph = seen.graph
+        cached = self._cache.get(graph.signature)
+        if cached is not None:  # planned before: See rule 8 of Note [Memory budget policy].
+            self._cache.move_to_end(graph.signature)
+            self._plans.setdefault(seen.ordinal, cached)  # the own plan is still tried first
+            self._last = cached.report
+            self._step_plan = None
+            return
         fraction = isinstance(self.budget, float)
         budget = int(self.budget * graph.baseline) if fraction else int(self.budget)
-        limit = budget + graph.outside
+        limit = budget + graph.outside - self._check.correction
         ref = None
         option: Option | None = None
         if graph.warm is not None:
@@ -317,8 +374,16 @@ class MemoryBudget:
             )
         plan = make_plan(graph, option, seen.ordinal, budget)
         self._plans[seen.ordinal] = plan
+        self._remember(plan)
         self._last = plan.report
         self._step_plan = None
+
+    def _remember(self, plan: Plan) -> None:
+        """Cache the plan of a step of one region (rule 8 of Note [Memory budget policy])."""
+        self._cache[plan.signature] = plan
+        self._cache.move_to_end(plan.signature)
+        while len(self._cache) > _CACHE:
+            self._cache.popitem(last=False)
 
     def _refine(self) -> None:
         """Continue a warm start's search; a cheaper plan found replaces the step's plan.
@@ -336,6 +401,7 @@ class MemoryBudget:
             plan = make_plan(graph, Option(ref.kept, ref.result, _WARM), ordinal, budget)
             plan.report = replace(plan.report, reuses=old.report.reuses)
             self._plans[ordinal] = plan
+            self._remember(plan)
             self._last = plan.report
         if ref.done:
             self._refining = None
@@ -343,7 +409,8 @@ class MemoryBudget:
     def _plan_jointly(self) -> None:
         """The DP of rule 3 of Note [Step budget across regions]."""
         budget = step_budget_bytes(self._seen, self.budget)
-        plans, step = plan_jointly(self._seen, budget)
+        plans, step = plan_jointly(self._seen, budget - self._check.correction)
+        step = replace(step, budget_bytes=budget, correction_bytes=self._check.correction)
         if not step.feasible and not self._warned_step:
             self._warned_step = True
             warnings.warn(
@@ -358,32 +425,103 @@ class MemoryBudget:
             self._last = plan.report
         self._step_plan = step
 
+    def _predicted(self) -> int | None:
+        """What the plans predict for what the budget bounds, None without a plan.
+
+        See Note [Measured budget check] rule 2.
+        """
+        if self._step_plan is not None:
+            return self._step_plan.predicted_peak_bytes
+        plan = self._plans.get(0)
+        if plan is None or plan.graph is None:
+            return None
+        return plan.report.predicted_peak_bytes - plan.graph.outside
+
+    def _measured_step(self) -> None:
+        """Compare the step that just ended with its prediction; plan again once if it
+        missed a byte budget, warn if it still does. See Note [Measured budget check]."""
+        m = self._check.stop(self._seen, not self._dirty)
+        if m is None or isinstance(self.budget, float):
+            return
+        budget = int(self.budget)
+        if self._check.over(m, budget):
+            self._dirty = True  # plan the step again with the correction
+            self._cache.clear()
+            return
+        lowest = not (self._step_plan.feasible if self._step_plan else self._last_feasible())
+        self._check.warn(repr(self), m, budget, lowest)
+
+    def _step_over(self) -> None:
+        """If every region of the step is done, end its measurement now (rule 1 of Note
+        [Measured budget check]): ``report()`` after a step's backward."""
+        if self._step and all(_done(r()) for r in self._step):
+            self._measured_step()
+
+    def _last_feasible(self) -> bool:
+        plan = self._plans.get(0)
+        return plan is None or plan.report.feasible
+
     def report(self, ordinal: int | None = None) -> PlanReport | None:
-        """The plan of region ``ordinal`` of a step, or the last one made or used.
+        """The plan of region ``ordinal`` of a step, or the last one made or used, with
+        the step's figures; printed as a table (Note [Budget reports]).
 
         Example:
             >>> print(policy.report())  # doctest: +SKIP
         """
+        self._step_over()
         self._plan_step()
         if ordinal is None:
-            return self._last
-        plan = self._plans.get(ordinal)
-        return plan.report if plan is not None else None
+            last = self._last
+        else:
+            plan = self._plans.get(ordinal)
+            last = plan.report if plan is not None else None
+        if last is None:
+            return None
+        step = self.step_report() if ordinal is None else None
+        return BudgetReport(
+            **{f.name: getattr(last, f.name) for f in fields(PlanReport)},
+            policy=repr(self),
+            fraction=self.budget if isinstance(self.budget, float) else None,
+            measured_peak_bytes=self._measured_bytes(),
+            correction_bytes=self._check.correction,
+            step=step,
+            regions=step.rows if step is not None else (),
+        )
 
     def step_report(self) -> StepPlan | None:
-        """The joint plan of the last step with several regions (None for one region).
+        """The joint plan of the last step with several regions (None for one region),
+        printed as a table with each region's plan (Note [Budget reports]).
 
         See Note [Step budget across regions].
 
         Example:
             >>> print(policy.step_report())  # doctest: +SKIP
         """
+        self._step_over()
         self._plan_step()
-        return self._step_plan
+        step = self._step_plan
+        if step is None:
+            return None
+        rows = tuple(
+            replace(p.report, ordinal=k)
+            for k, p in sorted(self._plans.items(), key=lambda t: t[0])
+            if k < step.regions
+        )
+        return replace(
+            step,
+            measured_peak_bytes=self._measured_bytes(),
+            rows=rows,
+            policy=repr(self),
+            fraction=self.budget if isinstance(self.budget, float) else None,
+        )
+
+    def _measured_bytes(self) -> int | None:
+        m = self._check.last
+        return m.measured_bytes if m is not None else None
 
 
 def memory_budget(
-    budget: int | float | str, *, flops_per_byte: float | None = None
+    budget: int | float | str, *, flops_per_byte: float | None = None, check: bool = False
 ) -> MemoryBudget:
     """A policy that keeps what fits ``budget`` with the least recompute.
 
@@ -395,7 +533,9 @@ def memory_budget(
             object (per-layer regions of ``wrap`` or ``integrations.transformers.enable``,
             several ``with`` blocks) share the budget, which then covers the step's peak
             (gradients of activations included) less the memory outside the regions, and
-            a fraction is of that peak without checkpointing. A step ends when every
+            a fraction is of that peak without checkpointing. With ``check=True`` bytes are
+            checked against the step's measured peak, memory outside the regions included. A
+            step ends when every
             region of it ran its backward (or was released); its regions are planned
             jointly when the next step starts. See Note [Memory budget policy] and Note
             [Step budget across regions].
@@ -403,6 +543,10 @@ def memory_budget(
             recompute costs; ``None`` takes ``$CKPT_GRAPH_FLOPS_PER_BYTE`` if set, else
             measures it on this machine at the first plan. See Note [Recompute cost model]
             and Note [Pinned calibration].
+        check: measure the first planned step (and one more after a re-plan) and, for a
+            budget in bytes, plan again once with the memory measured outside the plan's
+            model; warn once if the budget is still missed. Off by default: on CPU the
+            measured step runs under torch's profiler. See Note [Measured budget check].
 
     Raises:
         CkptGraphError: ``budget`` is not a budget (e.g. ``memory_budget(1)``: one byte; pass
@@ -416,7 +560,7 @@ def memory_budget(
         >>> model = cg.wrap(model, policy)  # a region per block, one budget per step
         >>> print(policy.step_report())  # doctest: +SKIP
     """
-    return MemoryBudget(budget, flops_per_byte=flops_per_byte)
+    return MemoryBudget(budget, flops_per_byte=flops_per_byte, check=check)
 
 
 def _done(region: Region | None) -> bool:

@@ -161,6 +161,8 @@ def milp_plan(
         if coef:
             rows.append((coef, -inf, float(budget)))
     nvar = len(col)
+    if nvar == 0:  # nothing saved is made by an op: keeping nothing is the only plan
+        return MilpResult(frozenset(), 0.0, True, time.perf_counter() - t0)
     cost = np.zeros(nvar)
     integrality = np.zeros(nvar)
     upper = np.ones(nvar)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ckpt_graph.planner.forward_memory import prune
-from ckpt_graph.planner.liveness import SimGraph, SimResult
+from ckpt_graph.planner.liveness import SimGraph, SimResult, simulate
 from ckpt_graph.planner.solve import KeptTensor, PlanReport
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "Seen",
     "Signature",
     "StepPlan",
+    "kept_views",
     "make_plan",
     "numel",
 ]
@@ -57,6 +58,9 @@ class RegionGraph:
     everything: Option | None = None  # keeping every candidate (see ``everything``)
     # the plan of the same ops at smaller sizes to start from (Note [Warm start at a new size])
     warm: Plan | None = None
+    # signature position of each view op the policy decides, -1 for a detach (Note [Kept
+    # views], rule 6 of Note [Memory budget policy])
+    views: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)  # by identity: regions of identical layers share one
@@ -103,6 +107,11 @@ class StepPlan:
             and backward temporaries.
         plain_peak_bytes: ``predicted_peak_bytes`` of keeping every candidate (no
             checkpointing): what a fraction budget is a fraction of.
+        correction_bytes: taken off the budget for memory the step measured outside the
+            plan's model (Note [Measured budget check]).
+        measured_peak_bytes: the step's measured peak, if measured.
+        rows: each region's plan, by ordinal (``step_report()``).
+        policy, fraction: the policy and its budget's fraction (None for bytes).
     """
 
     regions: int
@@ -115,6 +124,16 @@ class StepPlan:
     graphs: int
     predicted_activation_peak_bytes: int
     plain_peak_bytes: int
+    correction_bytes: int = 0
+    measured_peak_bytes: int | None = None
+    rows: tuple[PlanReport, ...] = ()
+    policy: str = "memory_budget"
+    fraction: float | None = None
+
+    def __str__(self) -> str:
+        from ckpt_graph.planner.budget_report import step_table  # its table, Note [Budget reports]
+
+        return step_table(self, self.policy, self.fraction)
 
 
 def make_plan(graph: RegionGraph, option: Option, ordinal: int, budget: int) -> Plan:
@@ -124,6 +143,9 @@ def make_plan(graph: RegionGraph, option: Option, ordinal: int, budget: int) -> 
     """
     g = graph.g
     kept_ops, result = prune(g, option.kept_ops, option.result)
+    views = kept_views(graph, kept_ops)
+    if views:  # See Note [Kept views].
+        result = simulate(g, kept_ops | views)
     option = replace(option, kept_ops=kept_ops, result=result)
     kept = tuple(
         KeptTensor(
@@ -131,7 +153,7 @@ def make_plan(graph: RegionGraph, option: Option, ordinal: int, budget: int) -> 
             g.ops[j].name,
             sum(g.values[o].nbytes for o in g.ops[j].outputs if g.values[o].storage == o),
         )
-        for j in sorted(option.kept_ops)
+        for j in sorted(option.kept_ops | views)
     )
     report = PlanReport(
         ordinal=ordinal,
@@ -147,7 +169,45 @@ def make_plan(graph: RegionGraph, option: Option, ordinal: int, budget: int) -> 
         method=option.method,
     )
     kept_pos = frozenset(graph.positions[j] for j in option.kept_ops if j in graph.positions)
+    kept_pos |= {graph.views[j] for j in views if graph.views[j] >= 0}
     return Plan(graph.signature, kept_pos, report, graph)
+
+
+# Note [Kept views]
+# A view op's output shares its base's storage: keeping it costs no memory when the base's
+# storage is kept anyway (kept by the plan, fixed, or a region input such as a weight whose
+# ``t()`` a linear layer saves), and recomputing it costs a dispatch. The solver leaves
+# views out of its candidates (they never change a peak), so a plan that keeps every
+# candidate still recomputed every view in backward: ``memory_budget(1.0)`` on the
+# embedded 8-layer GPT recomputed 154 ops (views, transposes, splits), +13% step time.
+# ``make_plan`` therefore also keeps each view op the policy decides (``RegionGraph.views``)
+# whose every output's storage is kept, unless something writes that storage in place (a
+# kept view must not see a later version of its base; such storages are left to
+# recompute). The plan's figures are simulated with those views kept.
+
+
+def kept_views(graph: RegionGraph, kept_ops: frozenset[int]) -> frozenset[int]:
+    """The view ops of ``graph`` that keep no memory beyond ``kept_ops``' (Note [Kept views])."""
+    if not graph.views:
+        return frozenset()
+    g = graph.g
+    values = g.values
+    kept = {v for j in kept_ops for v in g.ops[j].outputs} | set(g.fixed)
+    written: set[int] = set()  # storages some computing op writes in place
+    for v, val in enumerate(values):
+        if val.storage != v and val.producer >= 0 and g.ops[val.producer].cost > 0:
+            written.add(val.storage)
+    out = []
+    for j in graph.views:
+        outputs = g.ops[j].outputs
+        if outputs and all(
+            values[o].storage != o
+            and values[o].storage not in written
+            and (values[o].storage in kept or values[values[o].storage].producer < 0)
+            for o in outputs
+        ):
+            out.append(j)
+    return frozenset(out)
 
 
 def numel(shapes: tuple[tuple[int, ...], ...]) -> int:

@@ -13,13 +13,14 @@ from ckpt_graph.engine.holding import without_history
 from ckpt_graph.planner.hand_seeds import block_ids, hand_seeds
 from ckpt_graph.planner.liveness import from_region, simulate
 from ckpt_graph.planner.plans import RegionGraph
+from ckpt_graph.planner.sim_graph import SimGraph
 from ckpt_graph.planner.solve import candidate_ops
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
     from ckpt_graph.planner.budget_heuristic import Run
 
-__all__ = ["input_bytes", "region_graph"]
+__all__ = ["fixed_before", "input_bytes", "region_graph"]
 
 
 def input_bytes(region: Region, since: int, storages: set[int]) -> int:
@@ -73,8 +74,40 @@ def region_graph(region: Region, run: Run, costs: dict[int, int]) -> RegionGraph
     hand = hand_seeds(g, candidates, block_ids([n.module_path for n in region.nodes]))
     own = {g.values[v].storage for _, v in g.saved if g.values[v].producer >= run.start}
     baseline = sum(g.values[s].nbytes for s in own if g.values[s].producer >= 0)
-    outside = simulate(g, []).kept_bytes  # fixed kept storages count against the budget
-    fixed_in = {g.values[v].storage for v in g.fixed if g.values[v].producer >= run.start}
-    outside -= sum(g.values[s].nbytes for s in fixed_in)
+    outside = fixed_before(g, run.start)
     positions = {j: run.positions[j] for j in candidates if j in run.positions}
-    return RegionGraph(tuple(run.signature), g, candidates, positions, baseline, outside, hand)
+    views = {  # See Note [Kept views]; detach ops have no position (-1)
+        j: run.positions.get(j, -1)
+        for j in free
+        if j not in positions
+        and g.ops[j].cost == 0
+        and g.ops[j].outputs
+        and all(g.values[o].storage != o for o in g.ops[j].outputs)
+    }
+    return RegionGraph(
+        tuple(run.signature), g, candidates, positions, baseline, outside, hand, views=views
+    )
+
+
+def fixed_before(g: SimGraph, start: int) -> int:
+    """Bytes of the fixed values made before op ``start`` that backward still reads.
+
+    Values the region kept before the policy's block opened (another policy's block of the
+    same region) are memory the plan cannot change: they count against its budget as
+    ``RegionGraph.outside``. Only storages the simulated pass acquires count (a fixed value
+    no saved tensor or recomputed op reads, e.g. a tagged block output, is not in the
+    simulated peak). Before, this was the fixed kept bytes less *every* fixed storage made
+    in the block, counted or not: a tagged output nobody saves made it negative, and a
+    step's limit then went to minus infinity (issue 21 item 3).
+    """
+    result = simulate(g, [])
+    read = {g.values[v].storage for _, v in g.saved}
+    for j, op in enumerate(g.ops):
+        if result.runs and result.runs[j]:
+            read.update(g.values[i].storage for i in op.inputs)
+    before = {
+        g.values[v].storage
+        for v in g.fixed
+        if 0 <= g.values[v].producer < start and g.values[v].storage in read
+    }
+    return sum(g.values[s].nbytes for s in before if g.values[s].producer >= 0)

@@ -36,7 +36,9 @@
 #    with a larger prefix and no lower cost are dropped. Later regions thus keep more: what
 #    they keep is freed first (unless their forward terms bind). If nothing fits, the
 #    budget is raised by 5% steps until a plan does and the policy warns once with the
-#    predicted step peak.
+#    predicted step peak. The raise starts from at least ``_GRAIN`` bytes and stops at the
+#    step peak of each region's lowest-peak entry, which always fits: a budget that kept
+#    values alone exceed (a limit at or below zero) once raised it towards minus infinity.
 # 4. A step of one region is planned as before: the solver alone, against the region's
 #    budget, which bounds its activation peak (rule 1 of Note [Memory budget policy]).
 # 5. Accuracy. Measured (6-layer tiny GPT-2 and Llama, ``integrations.transformers.enable``,
@@ -84,9 +86,15 @@ def plan_jointly(seen: list[Seen], budget: int) -> tuple[list[Plan], StepPlan]:
                 s.graph.warm = s.graph.menu = None
         menus = [menu(s.graph) for s in seen]
         choice = choose(seen, menus, limit)
-    while choice is None:  # nothing fits: raise the budget until a plan does
-        limit = int(limit * 1.05) + 1
-        choice = choose(seen, menus, limit)
+    if choice is None:  # nothing fits: raise the budget until a plan does (rule 3)
+        # the lowest-peak entry of each region fits its own step peak: the loop ends there
+        low = [
+            min(options, key=lambda o: (o.result.peak_total_bytes, o.forward)) for options in menus
+        ]
+        reach = step_peaks(seen, low)[0]
+        while choice is None:
+            limit = min(max(int(limit * 1.05) + 1, _GRAIN), reach)
+            choice = choose(seen, menus, limit)
     chosen = [options[m] for options, m in zip(menus, choice, strict=True)]
     peak, activations = step_peaks(seen, chosen)
     cost = sum(o.result.recompute_cost for o in chosen)

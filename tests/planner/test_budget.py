@@ -171,14 +171,16 @@ def test_later_steps_apply_the_plan_and_match_its_prediction() -> None:
             region = gpt_run(policy)
         kept = kept_ops_of(region)
         # Op indices may shift by the engine's extra detach nodes (kept factory outputs): compare ops.
-        assert [region.nodes[j].info.name for j in sorted(kept)] == [k.op for k in report.kept]
+        # A kept factory op makes the engine record a detach, kept too (Note [Kept views]).
+        names = [region.nodes[j].info.name for j in sorted(kept)]
+        assert [n for n in names if n != "aten.detach.default"] == [k.op for k in report.kept]
         predicted = simulate(from_region(region), kept)
         assert predicted.peak_bytes == report.predicted_peak_bytes
         assert region._pass.recomputed_ops == predicted.recomputed_ops
         detach = sum(n.info.name == "aten.detach.default" for n in region.nodes)
         assert report.recomputed_ops <= predicted.recomputed_ops <= report.recomputed_ops + detach
     assert policy.report() is not None and policy.report().reuses == 2  # type: ignore[union-attr]
-    assert "memory_budget plan" in str(report)
+    assert str(report).startswith("memory_budget(0.5): one region per step, plan of region #0")
 
 
 def test_more_budget_means_less_recompute() -> None:

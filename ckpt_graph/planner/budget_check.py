@@ -1,0 +1,194 @@
+"""A budget checked against measurement: the closed loop of ``memory_budget``.
+
+# Note [Measured budget check]
+# The planner predicts a step's peak from its regions' graphs (Note [Step budget across
+# regions]); what the step measures also holds memory no region records: parameters'
+# gradients, the loss and head outside the regions, the optimizer, the simulator's error.
+# On an MLP ``memory_budget("8MiB")`` predicted 8.000 MiB, measured 22.1 MiB, and said
+# nothing. So a budget in bytes is a promise about the *measured* step peak:
+# 1. The first step that follows a plan is measured (``memory.StepProbe``: the allocator's
+#    events on CPU, ``torch.cuda.max_memory_allocated`` on CUDA) from its first region's
+#    entry until the next step starts (or ``report()`` is asked for), plus the activation
+#    inputs of that first region (allocated before it). (Stopping the profiler from an
+#    autograd callback at the end of the backward pass left it enabled on the calling
+#    thread.) A probe still running when the interpreter exits is stopped then. A step that left its plans (the
+#    heuristic decided part of it) is not compared.
+# 2. The difference between the measured peak and the prediction of what the budget bounds
+#    (the step's predicted peak; one region: its activation peak) is memory outside the
+#    plan's model. If the measured peak is over a byte budget, that difference is taken
+#    off the budget the planner works with, the step is planned again once, and the next
+#    planned step is measured too.
+# 3. If that step is still over the budget, the policy warns once: by how much, what the
+#    plan predicted, what it cannot decide (values kept whatever the plan: tags, other
+#    policies, activation inputs; generator states) and what lies outside its model
+#    (parameters' gradients, memory outside the regions and the simulator's error), and
+#    the lowest step peak the planner found.
+# 4. A fraction budget is relative to the step's own peak without checkpointing, which
+#    includes that outside memory too: its measured peak is reported (``report()``), not
+#    corrected.
+# 5. Cost. On CPU a measured step runs under the profiler (several times slower), once or
+#    twice per policy. A probe does not start while a profiler or ``measure()`` runs, and
+#    a ``measure()`` started during the probed step abandons it; after ``_TRIES`` probes
+#    the policy stops trying. Hence the check is opt-in (``memory_budget(..., check=True)``):
+#    a profiler the program starts itself during the probed step (a profiling schedule
+#    over the first steps) would meet the probe's, which torch does not support. Without
+#    it the budget bounds the simulated figures only.
+# Known limitations: a program that measures every step itself is not checked. A probe runs
+# until the policy's next step starts: a program that does other work after the first
+# planned step (a long evaluation under no_grad) keeps the profiler collecting until then;
+# ``report()`` stops it, and ``check=False`` never starts it.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ckpt_graph.memory import StepProbe
+from ckpt_graph.planner.plans import Seen
+
+if TYPE_CHECKING:
+    from ckpt_graph.engine.region import Region
+
+__all__ = ["BudgetCheck", "Measured"]
+
+_MIB = float(2**20)
+_CHECKS = 2  # measured steps per policy: the first planned one, and one after a re-plan
+_TRIES = 4  # probes started per policy (a measure() of the program abandons one)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One measured step against its prediction. See Note [Measured budget check].
+
+    Attributes:
+        measured_bytes: the step's measured peak (rule 1).
+        predicted_bytes: what the plan predicted for what the budget bounds.
+        param_grad_bytes: gradients of the parameters the step's regions read.
+        kept_bytes: values kept whatever the plan (tags, other policies, activation inputs).
+        rng_bytes: generator states random ops hold.
+    """
+
+    measured_bytes: int
+    predicted_bytes: int
+    param_grad_bytes: int
+    kept_bytes: int
+    rng_bytes: int
+
+    @property
+    def outside_bytes(self) -> int:
+        """Measured less predicted: memory outside the plan's model (rule 2)."""
+        return self.measured_bytes - self.predicted_bytes
+
+
+class BudgetCheck:
+    """State of the closed loop of one policy object. See Note [Measured budget check]."""
+
+    def __init__(self) -> None:
+        self.correction = 0  # bytes taken off a byte budget (rule 2)
+        self.last: Measured | None = None
+        self._probe: StepProbe | None = None
+        self._predicted = 0
+        self._checks = 0
+        self._tries = 0
+        self._peak: int | None = None
+        self._warned = False
+        self._device = torch.device("cpu")
+        self._params: set[int] = set()
+        self._param_bytes = 0
+
+    def note_region(self, region: Region) -> None:
+        """At a region's exit: its device and the parameters (leaves needing a gradient)."""
+        for h in region.inputs:
+            t = h.ref() if h.ref is not None else None
+            if t is None:
+                continue
+            self._device = t.device
+            if t.is_leaf and t.requires_grad:
+                try:
+                    key = t.untyped_storage().data_ptr()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if key not in self._params:
+                    self._params.add(key)
+                    self._param_bytes += t.untyped_storage().nbytes()
+
+    def start(self, predicted: int | None) -> None:
+        """Measure the step starting now, predicted at ``predicted`` bytes (rule 1)."""
+        self._params, self._param_bytes = set(), 0
+        if predicted is None or self._checks >= _CHECKS or self._probe is not None:
+            return
+        if self._tries >= _TRIES:  # the program measures its steps itself (rule 5)
+            return
+        self._tries += 1
+        if self._device.type not in ("cpu", "cuda"):
+            return
+        probe = StepProbe(self._device)
+        if probe.start():
+            self._probe = probe
+            self._predicted = predicted
+            self._peak = None
+            weakref.finalize(self, probe.abandon)  # the policy dropped: the profiler too
+
+    def finish(self) -> None:
+        """Stop the measurement now and keep its peak for :meth:`stop`."""
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            self._peak = probe.stop()
+
+    def stop(self, seen: list[Seen], followed: bool) -> Measured | None:
+        """The measurement of the step that just ended, if one ran and it followed its plans."""
+        self.finish()
+        peak, self._peak = self._peak, None
+        if peak is None or not seen or not followed:
+            return None
+        self._checks += 1
+        first = min(seen, key=lambda s: s.ordinal)
+        kept = rng = 0
+        for s in seen:
+            g = s.graph.g
+            kept += s.inputs + sum(
+                g.values[v].nbytes
+                for v in g.fixed
+                if g.values[v].storage == v and g.values[v].producer >= 0
+            )
+            rng += sum(g.rng_bytes)
+        self.last = Measured(peak + first.inputs, self._predicted, self._param_bytes, kept, rng)
+        return self.last
+
+    def over(self, m: Measured, budget: int) -> bool:
+        """Whether ``m`` missed ``budget``; the first miss sets the correction (rule 2)."""
+        if m.measured_bytes <= budget:
+            self._checks = _CHECKS  # met: nothing more to check
+            return False
+        if self.correction == 0:
+            self.correction = max(m.outside_bytes, 1)
+            return True
+        return False
+
+    def warn(self, name: str, m: Measured, budget: int, lowest: bool) -> None:
+        """Warn once that ``budget`` is missed, and why (rule 3); ``lowest``: the plan is
+        the lowest-peak one found (the budget is out of the planner's reach)."""
+        if self._warned or m.measured_bytes <= budget:
+            return
+        self._warned = True
+        self._checks = _CHECKS
+        rest = m.outside_bytes - m.param_grad_bytes
+        warnings.warn(
+            f"ckpt_graph: {name}: the step measured {m.measured_bytes / _MIB:.3f} MiB, "
+            f"{(m.measured_bytes - budget) / _MIB:.3f} MiB over the budget of "
+            f"{budget / _MIB:.3f} MiB after one re-plan. The plan predicted "
+            f"{m.predicted_bytes / _MIB:.3f} MiB for its regions, of which "
+            f"{m.kept_bytes / _MIB:.3f} MiB are values kept whatever the plan (tags, other "
+            f"policies, activation inputs) and {m.rng_bytes / _MIB:.3f} MiB generator "
+            f"states; {m.outside_bytes / _MIB:.3f} MiB are outside its model: parameters' "
+            f"gradients {m.param_grad_bytes / _MIB:.3f} MiB and {rest / _MIB:.3f} MiB of "
+            "memory outside the regions (and the simulator's error)"
+            + (", and the plan is the lowest-peak one the planner found" if lowest else "")
+            + " (warned once per policy)",
+            stacklevel=4,
+        )

@@ -1,0 +1,131 @@
+"""What ``memory_budget``'s ``report()`` and ``step_report()`` print: tables in MiB.
+
+# Note [Budget reports]
+# A report says what the budget covers, what the plan predicts against it and what the
+# step measured (Note [Measured budget check]), per region. Before, ``report()`` printed
+# the last region's plan alone with its share of a step's budget against its own
+# activation bytes ("budget 35.528 MiB of 17.508 MiB", one region of six) and
+# ``step_report()`` a dataclass in bytes. Byte figures stay in the records' fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ckpt_graph.planner.solve import PlanReport
+
+if TYPE_CHECKING:
+    from ckpt_graph.planner.plans import StepPlan
+
+__all__ = ["BudgetReport", "step_table"]
+
+_MIB = float(2**20)
+
+
+def _mib(n: int) -> str:
+    return f"{n / _MIB:.3f} MiB"
+
+
+@dataclass(frozen=True)
+class BudgetReport(PlanReport):
+    """``memory_budget(...).report()``: a region's plan with its step. See Note [Budget reports].
+
+    Attributes (beyond :class:`PlanReport`'s):
+        policy: the policy, e.g. ``"memory_budget(0.5)"``.
+        fraction: the budget's fraction, None for bytes.
+        measured_peak_bytes: the step's measured peak (Note [Measured budget check]), if
+            measured.
+        correction_bytes: taken off a byte budget for memory the step measured outside the
+            plan's model.
+        step: the joint plan of the step when it has several regions.
+        regions: the plan of each region of that step, by ordinal.
+    """
+
+    policy: str = ""
+    fraction: float | None = None
+    measured_peak_bytes: int | None = None
+    correction_bytes: int = 0
+    step: StepPlan | None = None
+    regions: tuple[PlanReport, ...] = ()
+
+    def __str__(self) -> str:
+        if self.step is not None:
+            return step_table(self.step, self.policy, self.fraction)
+        covers = (
+            f"{self.fraction:.0%} of the {_mib(self.baseline_bytes)} of activations the region "
+            "keeps without checkpointing"
+            if self.fraction is not None
+            else "the step's measured peak (planned against the region's activations plus "
+            f"{_mib(self.correction_bytes)} measured outside them)"
+        )
+        fits = "fits" if self.feasible else "does not fit: the lowest peak found"
+        lines = [
+            f"{self.policy}: one region per step, plan of region #{self.ordinal}"
+            + (f" (from the {self.method} plan)" if self.method else "")
+            + f": predicted peak {_mib(self.predicted_peak_bytes)}, {fits}",
+            f"  {'budget':<20}{_mib(self.budget_bytes):>14}  {covers}",
+            f"  {'predicted peak':<20}{_mib(self.predicted_peak_bytes):>14}  activations "
+            f"({_mib(self.predicted_total_peak_bytes)} with gradient buffers); {fits}",
+        ]
+        if self.measured_peak_bytes is not None:
+            lines.append(
+                f"  {'measured step peak':<20}{_mib(self.measured_peak_bytes):>14}  the whole "
+                "step: parameters' gradients and memory outside the region included"
+            )
+        lines.append(
+            f"  {'recompute':<20}{self.predicted_recompute_flops:>14,}  FLOPs in "
+            f"{self.recomputed_ops} ops; {self.reuses} steps used this plan"
+        )
+        kept = sum(k.nbytes for k in self.kept)
+        lines.append(
+            f"  kept {len(self.kept)} ops, {_mib(kept)} ({self.candidates} candidates; views "
+            "of kept values cost nothing):"
+        )
+        lines.append(f"    {'op':>6}  {'name':<36} {'MiB':>10}")
+        lines += [f"    {k.op_index:>6}  {k.op:<36} {k.nbytes / _MIB:>10.3f}" for k in self.kept]
+        return "\n".join(lines)
+
+
+def step_table(step: StepPlan, policy: str = "memory_budget", fraction: float | None = None) -> str:
+    """The table of a step planned jointly. See Note [Budget reports]."""
+    if fraction is not None:
+        covers = (
+            f"{fraction:.0%} of the step's simulated peak without checkpointing "
+            f"({_mib(step.plain_peak_bytes)})"
+        )
+    else:
+        covers = "the step's measured peak"
+    if step.correction_bytes:
+        covers += f"; planned {_mib(step.correction_bytes)} lower for memory measured outside"
+    fits = "fits" if step.feasible else "does not fit: the lowest peak found"
+    lines = [
+        f"{policy}: {step.regions} regions per step, planned jointly (distinct graphs: "
+        f"{step.graphs}): predicted peak {_mib(step.predicted_peak_bytes)}, {fits}",
+        f"  {'budget':<20}{_mib(step.budget_bytes):>14}  {covers}",
+        f"  {'predicted peak':<20}{_mib(step.predicted_peak_bytes):>14}  the regions' kept "
+        "values, activation inputs, gradient buffers and forward peaks "
+        f"(activations only: {_mib(step.predicted_activation_peak_bytes)}); {fits}",
+    ]
+    if step.measured_peak_bytes is not None:
+        lines.append(
+            f"  {'measured step peak':<20}{_mib(step.measured_peak_bytes):>14}  the whole step: "
+            "parameters' gradients and memory outside the regions included"
+        )
+    lines.append(
+        f"  {'recompute':<20}{step.predicted_recompute_flops:>14,}  FLOPs; without "
+        f"checkpointing the regions keep {_mib(step.baseline_bytes)}"
+    )
+    if step.rows:
+        lines.append(
+            f"    {'region':>6}  {'kept MiB':>9}  {'peak MiB':>9}  {'recompute FLOPs':>16}  "
+            f"{'ops':>5}  plan"
+        )
+        for r in step.rows:
+            kept = sum(k.nbytes for k in r.kept)
+            lines.append(
+                f"    {r.ordinal:>6}  {kept / _MIB:>9.3f}  "
+                f"{r.predicted_total_peak_bytes / _MIB:>9.3f}  "
+                f"{r.predicted_recompute_flops:>16,}  {r.recomputed_ops:>5}  {r.method}"
+            )
+    return "\n".join(lines)
