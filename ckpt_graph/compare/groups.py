@@ -33,14 +33,20 @@ __all__ = ["chain_groups", "group_forwards"]
 # So the chain is read from one forward of the model (no gradients; buffers and RNG state
 # restored afterwards), with hooks on the blocks:
 # 1. block j+1 continues block j when its first positional argument *is* block j's first
-#    tensor output (no op between them) and every other argument is the same object as
-#    block j's (or an equal plain value: None, numbers, strings, tuples of these);
+#    tensor output (no op on it between them), every other argument is the same object as
+#    block j's (or an equal plain value: None, numbers, strings, tuples of these), and the
+#    default generator's state did not change between them (no random op in between, whose
+#    order against the group's own random ops would change);
 # 2. a block called more than once per forward, or never, chains with nothing;
 # 3. each maximal chain is cut into consecutive groups of ``k`` blocks (the last may be
 #    shorter); a block outside every chain is a group of one.
 # At run time the group's first block runs the group under one checkpoint (block i with its
-# own arguments, each next block with the previous output and block i's other arguments) and
-# the others return the group's output when called with it (rule 1 guarantees they are).
+# own arguments, each next block with the previous output and block i's other arguments),
+# which returns every block's output; each block of the group returns its own output, so a
+# model that also uses an inner block's output (a UNet's skip connections, HF's
+# ``output_hidden_states``) gets the right tensor. The later blocks check that they are called
+# with the previous block's output (rule 1 says they are). The group's outputs are dropped
+# once its last block ran, so no activation outlives the model's own references.
 
 
 def _first_tensor(out: object) -> torch.Tensor | None:
@@ -66,11 +72,15 @@ class _Call:
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.args = args
         self.kwargs = kwargs
+        self.rng_before = torch.get_rng_state()
         self.out: torch.Tensor | None = None
+        self.rng_after: torch.Tensor | None = None
 
     def continues(self, prev: _Call) -> bool:
         """Rule 1 of Note [Block chains]: this call takes ``prev``'s output and its arguments."""
         if not self.args or prev.out is None or self.args[0] is not prev.out:
+            return False
+        if prev.rng_after is None or not torch.equal(prev.rng_after, self.rng_before):
             return False
         if len(self.args) != len(prev.args) or self.kwargs.keys() != prev.kwargs.keys():
             return False
@@ -94,6 +104,7 @@ def _probe(
     def post(i: int) -> Callable[..., None]:
         def hook(mod: nn.Module, args: Any, kwargs: Any, out: object) -> None:
             calls[i][-1].out = _first_tensor(out)
+            calls[i][-1].rng_after = torch.get_rng_state()
 
         return hook
 
@@ -157,7 +168,7 @@ def group_forwards(
     """A ``wrap(i, forward)`` for the strategies' block patching that runs each group as one.
 
     The group's first block runs ``checkpoint(run_group, *args, **kwargs)``; the other blocks
-    return the group's output. See Note [Block chains].
+    return their own output computed there. See Note [Block chains].
 
     Raises (from the returned forwards):
         CkptGraphValueError: a later block of a group was called with something other than
@@ -165,7 +176,7 @@ def group_forwards(
     """
     first_of = {g[0]: list(g) for g in groups if len(g) > 1}
     member_of = {i: g[0] for g in groups if len(g) > 1 for i in g[1:]}
-    pending: dict[int, object] = {}  # group start -> its output, until its last block runs
+    pending: dict[int, tuple[Any, ...]] = {}  # group start -> outputs, until its last block
     originals = [b.forward for b in blocks]  # before the strategy patches any of them
 
     def wrap(i: int, forward: Callable[..., Any]) -> Callable[..., Any] | None:
@@ -173,31 +184,32 @@ def group_forwards(
             group = first_of[i]
             own = [forward, *(originals[j] for j in group[1:])]
 
-            def run_group(*args: Any, **kwargs: Any) -> object:
-                out = own[0](*args, **kwargs)
+            def run_group(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+                outs = [own[0](*args, **kwargs)]
                 for fwd in own[1:]:
-                    out = fwd(_first_tensor(out), *args[1:], **kwargs)
-                return out
+                    outs.append(fwd(_first_tensor(outs[-1]), *args[1:], **kwargs))
+                return tuple(outs)
 
             def start(*args: Any, **kwargs: Any) -> object:
-                out = checkpoint(run_group, *args, **kwargs)
-                pending[i] = out
-                return out
+                outs = checkpoint(run_group, *args, **kwargs)
+                pending[i] = outs
+                return outs[0]
 
             return start
         if i in member_of:
             head = member_of[i]
             last = i == first_of[head][-1]
+            pos = first_of[head].index(i)
 
             def follow(*args: Any, **kwargs: Any) -> object:
-                out = pending.pop(head, None) if last else pending.get(head)
-                if out is None or not args or args[0] is not _first_tensor(out):
+                outs = pending.pop(head, None) if last else pending.get(head)
+                if outs is None or not args or args[0] is not _first_tensor(outs[pos - 1]):
                     raise CkptGraphValueError(
                         f"ckpt_graph: torch-sqrt: block {i} was not called with the output of "
                         f"block {i - 1} (group {first_of[head]}); the model's forward changed "
                         "since its blocks were grouped: build the strategy's forward again"
                     )
-                return out
+                return outs[pos]
 
             return follow
         # A group of one: checkpoint the block alone (as torch-ckpt does).
