@@ -70,6 +70,9 @@ class StrategyResult:
             and attention only).
         max_grad_diff: max |grad - grad of none| over all parameters (0.0 means bitwise equal).
         max_buffer_diff: the same for buffers after the step (e.g. BatchNorm running stats).
+        cpu_time_s: median process CPU time of a timed step.
+        flops: FLOPs of the whole counted step (forward + backward, matmuls, convolutions
+            and attention only), to put ``extra_flops`` in proportion.
     """
 
     strategy: str
@@ -85,6 +88,8 @@ class StrategyResult:
     extra_flops: int | None = None
     max_grad_diff: float | None = None
     max_buffer_diff: float | None = None
+    cpu_time_s: float | None = None
+    flops: int | None = None
 
     def __str__(self) -> str:
         if self.status != "ok":
@@ -431,4 +436,6 @@ def _finish(
         extra_flops=extra_flops,
         max_grad_diff=fig["max_grad_diff"],
         max_buffer_diff=fig["max_buffer_diff"],
+        cpu_time_s=fig["cpu"],
+        flops=fig.get("flops"),
     )
