@@ -82,8 +82,9 @@ class Workload:
         blocks: the repeated blocks, in forward order, each called once per forward.
         inputs: the batch (on the model's device).
         loss_fn: maps the model output to a scalar loss.
-        blocks_are_plain: every block maps one tensor to one tensor (``h = block(h)``), so
-            strategies may regroup consecutive blocks.
+        blocks_are_plain: every block maps one tensor to one tensor (``h = block(h)``).
+            torch-sqrt does not rely on it: it reads which blocks chain from one forward
+            (see Note [Block chains]).
         sizes: the sizes the workload was built with.
     """
 
