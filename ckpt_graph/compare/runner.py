@@ -44,6 +44,7 @@ __all__ = [
     "STRATEGIES",
     "StrategyResult",
     "StrategySkipped",
+    "WorkloadRun",
     "make_forward",
     "run_comparison",
 ]
@@ -69,6 +70,9 @@ class StrategyResult:
             and attention only).
         max_grad_diff: max |grad - grad of none| over all parameters (0.0 means bitwise equal).
         max_buffer_diff: the same for buffers after the step (e.g. BatchNorm running stats).
+        cpu_time_s: median process CPU time of a timed step.
+        flops: FLOPs of the whole counted step (forward + backward, matmuls, convolutions
+            and attention only), to put ``extra_flops`` in proportion.
     """
 
     strategy: str
@@ -84,6 +88,8 @@ class StrategyResult:
     extra_flops: int | None = None
     max_grad_diff: float | None = None
     max_buffer_diff: float | None = None
+    cpu_time_s: float | None = None
+    flops: int | None = None
 
     def __str__(self) -> str:
         if self.status != "ok":
@@ -237,17 +243,7 @@ def _run(
     progress: Callable[[int, int, str], None] | None,
     options: dict[str, Any],
 ) -> list[StrategyResult]:
-    device = build["device"]
-    if measure is None:
-        try:
-            from ckpt_graph import memory
-
-            measure = memory.measure
-        except ImportError:
-            measure = None
     w = build_workload(model, **build)
-    initial = {k: v.clone() for k, v in w.model.state_dict().items()}
-    params = list(w.model.parameters())
     total = len(names) * (3 if count_ops else 2) + len(names) * repeat
     done = 0
 
@@ -257,49 +253,120 @@ def _run(
         if progress is not None:
             progress(done, total, label)
 
-    forwards: dict[str, _Forward] = {}
-    partial: dict[str, dict[str, Any]] = {}
-    ref: dict[str, Any] = {}
+    run = WorkloadRun(
+        w, seed=seed, count_ops=count_ops, measure=measure, device=build["device"], tick=tick
+    )
     for name in names:
+        ok = run.add(name, functools.partial(make_forward, name, w, **options))
+        if not ok:
+            done += (2 if count_ops else 1) + repeat
+    return run.results(repeat)
+
+
+class WorkloadRun:
+    """Strategies of one workload, measured one at a time, then timed side by side.
+
+    :func:`run_comparison` adds every strategy by name; a benchmark may add forwards that
+    depend on figures already measured (e.g. a budget at another strategy's measured peak)
+    and still get step times measured side by side with the others. The first one added is
+    the reference (``none``): ratios, extra ops and gradient differences are relative to it.
+
+    Example:
+        >>> from ckpt_graph.compare.zoo import build_workload
+        >>> w = build_workload("mlp", layers=2, width=16, batch=4)
+        >>> run = WorkloadRun(w)
+        >>> run.add("none", lambda: make_forward("none", w))
+        True
+        >>> run.add("torch-ckpt", lambda: make_forward("torch-ckpt", w))
+        True
+        >>> run.peak_bytes("torch-ckpt") is not None
+        True
+        >>> [r.strategy for r in run.results(repeat=1)]
+        ['none', 'torch-ckpt']
+    """
+
+    def __init__(
+        self,
+        w: Workload,
+        *,
+        seed: int = 0,
+        count_ops: bool = True,
+        measure: Callable[..., Any] | None = None,
+        device: str = "cpu",
+        tick: Callable[[str], None] | None = None,
+    ) -> None:
+        if measure is None:
+            try:
+                from ckpt_graph import memory
+
+                measure = memory.measure
+            except ImportError:
+                measure = None
+        self.w = w
+        self.seed = seed
+        self.count_ops = count_ops
+        self.measure = measure
+        self.device = device
+        self._tick = tick or (lambda label: None)
+        self._initial = {k: v.clone() for k, v in w.model.state_dict().items()}
+        self._params = list(w.model.parameters())
+        self._forwards: dict[str, _Forward] = {}
+        self._figures: dict[str, dict[str, Any]] = {}
+        self._ref: dict[str, Any] = {}
+
+    def peak_bytes(self, name: str) -> int | None:
+        """Measured step peak of an added strategy (None: not measured, skipped or failed)."""
+        fig = self._figures.get(name, {})
+        return fig.get("peak_bytes") if fig.get("status") == "ok" else None
+
+    def add(self, name: str, make: Callable[[], _Forward]) -> bool:
+        """Build a forward with ``make()`` and measure one step of it under ``name``.
+
+        One warm-up step, one step under ``measure`` (peak memory, gradients, buffers), one
+        under the op counter if ``count_ops``; the model's state is restored before each.
+        Returns whether it ran: :class:`StrategySkipped` from ``make`` marks it skipped, any
+        other exception failed (the reference's own failure raises ``WorkloadError``).
+        """
+        w = self.w
         fig: dict[str, Any] = {"strategy": name, "status": "ok"}
-        partial[name] = fig
+        self._figures[name] = fig
         try:
-            forward = make_forward(name, w, **options)
+            forward = make()
             _step(w, forward)  # warm-up
-            tick(f"{name}: warm-up")
-            w.model.load_state_dict(initial)
+            self._tick(f"{name}: warm-up")
+            w.model.load_state_dict(self._initial)
             gc.collect()
-            torch.manual_seed(seed)
-            if measure is not None:
-                report = measure(functools.partial(_step, w, forward), device=device)
+            torch.manual_seed(self.seed)
+            if self.measure is not None:
+                report = self.measure(functools.partial(_step, w, forward), device=self.device)
                 fig["peak_bytes"] = int(report.peak_bytes)
             else:
                 _step(w, forward)
                 fig["note"] = "ckpt_graph.memory not importable: no peak memory"
-            tick(f"{name}: measured step")
-            grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+            self._tick(f"{name}: measured step")
+            grads = [None if p.grad is None else p.grad.detach().clone() for p in self._params]
             buffers = [b.detach().clone() for b in w.model.buffers()]
-            if name == "none":
-                ref.update(grads=grads, buffers=buffers)
-            fig["max_grad_diff"] = _max_diff(grads, ref["grads"])
-            fig["max_buffer_diff"] = _max_diff(buffers, ref["buffers"])
+            if not self._ref:
+                self._ref.update(grads=grads, buffers=buffers)
+            fig["max_grad_diff"] = _max_diff(grads, self._ref["grads"])
+            fig["max_buffer_diff"] = _max_diff(buffers, self._ref["buffers"])
             _log.info("%s: measured step, peak %s bytes", name, fig.get("peak_bytes", "?"))
             if note := _policy_note(forward):
                 fig["note"] = note
                 _log.info("%s: %s", name, note)
-            if count_ops:
-                w.model.load_state_dict(initial)
-                torch.manual_seed(seed)
+            if self.count_ops:
+                w.model.load_state_dict(self._initial)
+                torch.manual_seed(self.seed)
                 counter = _OpCounter()
                 with counter:
                     _step(w, forward)
                 fig["ops"], fig["flops"] = counter.ops, counter.flops
-                tick(f"{name}: counting ops")
-            forwards[name] = forward
+                self._tick(f"{name}: counting ops")
+            self._forwards[name] = forward
         except StrategySkipped as e:
             fig.update(status="skipped", note=str(e))
         except Exception as e:  # a failing strategy is reported, not fatal
-            if name == "none":
+            if len(self._figures) == 1:
                 # The reference itself does not run: a dtype/device the model does not support.
                 raise WorkloadError(
                     f"{w.name} does not run here even without checkpointing: {type(e).__name__}: "
@@ -307,31 +374,40 @@ def _run(
                 ) from e
             first = (str(e).strip().splitlines() or [""])[0]
             fig.update(status="failed", note=f"{type(e).__name__}: {first}"[:300])
-        if name not in forwards:
-            done += (2 if count_ops else 1) + repeat
-    cuda = torch.device(device).type == "cuda"
+        return name in self._forwards
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
+    def results(self, repeat: int) -> list[StrategyResult]:
+        """Time ``repeat`` steps of every strategy that ran, round-robin; all figures."""
+        cuda = torch.device(self.device).type == "cuda"
 
-    times: dict[str, list[float]] = {n: [] for n in forwards}
-    cpu: dict[str, list[float]] = {n: [] for n in forwards}
-    for r in range(repeat):
-        for name, forward in forwards.items():
-            sync()
-            c0, t0 = time.process_time(), time.perf_counter()
-            _step(w, forward)
-            sync()
-            times[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-            _log.info("%s: timed step %d/%d: %.1f ms", name, r + 1, repeat, 1e3 * times[name][-1])
-            tick(f"{name}: timed step {r + 1}/{repeat}")
-    for p in params:
-        p.grad = None
-    for name in forwards:
-        partial[name]["cpu"] = statistics.median(cpu[name])
-    return [_finish(partial[n], times.get(n, []), partial["none"], times["none"]) for n in names]
+        def sync() -> None:
+            if cuda:
+                torch.cuda.synchronize(self.device)
+
+        forwards = self._forwards
+        times: dict[str, list[float]] = {n: [] for n in forwards}
+        cpu: dict[str, list[float]] = {n: [] for n in forwards}
+        for r in range(repeat):
+            for name, forward in forwards.items():
+                sync()
+                c0, t0 = time.process_time(), time.perf_counter()
+                _step(self.w, forward)
+                sync()
+                times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+                _log.info(
+                    "%s: timed step %d/%d: %.1f ms", name, r + 1, repeat, 1e3 * times[name][-1]
+                )
+                self._tick(f"{name}: timed step {r + 1}/{repeat}")
+        for p in self._params:
+            p.grad = None
+        for name in forwards:
+            self._figures[name]["cpu"] = statistics.median(cpu[name])
+        ref = next(iter(self._figures))
+        return [
+            _finish(fig, times.get(n, []), self._figures[ref], times[ref])
+            for n, fig in self._figures.items()
+        ]
 
 
 def _finish(
@@ -360,4 +436,6 @@ def _finish(
         extra_flops=extra_flops,
         max_grad_diff=fig["max_grad_diff"],
         max_buffer_diff=fig["max_buffer_diff"],
+        cpu_time_s=fig["cpu"],
+        flops=fig.get("flops"),
     )

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import (
 )
 
 from ckpt_graph._errors import CkptGraphValueError
+from ckpt_graph.compare.groups import chain_groups, group_forwards
 from ckpt_graph.compare.zoo import Workload
 from ckpt_graph.engine.decisions import normalize_policy
 
@@ -42,7 +43,7 @@ STRATEGIES: dict[str, str] = {
     "none": "no checkpointing",
     "torch-ckpt": "torch.utils.checkpoint (non-reentrant) per block",
     "torch-sac": "torch selective checkpointing per block, saving matmuls",
-    "torch-sqrt": "torch.utils.checkpoint over groups of k=sqrt(N) blocks",
+    "torch-sqrt": "torch.utils.checkpoint over groups of k=sqrt(N) consecutive blocks",
     "cg-block": "ckpt_graph region per block, recompute_all",
     "cg-sqrt": "ckpt_graph one region, every k=sqrt(N)-th block output kept",
     "cg-matmuls": "ckpt_graph one region, policies.save_matmuls()",
@@ -179,23 +180,11 @@ def make_forward(
             lambda i, f: functools.partial(checkpoint, f, use_reentrant=False, context_fn=ctx_fn)
         )
     if name == "torch-sqrt":
-        if not w.blocks_are_plain:
-            raise StrategySkipped(f"{w.name} blocks are not tensor -> tensor; cannot group them")
-        k = _sqrt_k(len(blocks))
-
-        def group_wrap(i: int, f: Callable[..., Any]) -> Callable[..., Any]:
-            if i % k:
-                return lambda h: h  # run by the group's first block
-            group = [b.forward for b in blocks[i : i + k]]
-
-            def run_group(h: torch.Tensor) -> torch.Tensor:
-                for fwd in group:
-                    h = fwd(h)
-                return h
-
-            return functools.partial(checkpoint, run_group, use_reentrant=False)
-
-        return per_block(group_wrap)
+        # Groups of consecutive blocks that chain directly; see Note [Block chains].
+        groups = chain_groups(model, blocks, inputs, _sqrt_k(len(blocks)))
+        return per_block(
+            group_forwards(blocks, groups, functools.partial(checkpoint, use_reentrant=False))
+        )
     if name == "cg-block":
         cg = _core()
 

@@ -2,8 +2,9 @@
 
 Every workload is a :class:`Workload`: a model whose repeated *blocks* are listed so that a
 strategy can checkpoint them one by one (or in groups), a batch of inputs and a loss. The
-models are those of ``architectures`` or, for ``hf-*``, Hugging Face ones. Nothing is
-downloaded: the Hugging Face models are built from a config with random weights.
+models are those of ``architectures`` or, for ``hf-gpt2`` / ``hf-llama`` and the models of
+``third_party`` (:data:`THIRD_PARTY`), ones from libraries installed from the package index.
+Nothing is downloaded: those are built from a config with random weights.
 
 Example:
     >>> from ckpt_graph.compare.zoo import build_workload
@@ -24,9 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckpt_graph._errors import CkptGraphValueError
+from ckpt_graph.compare import third_party
 from ckpt_graph.compare.architectures import GPT, ConvNet, ResidualMLP
 
-MODELS = ("gpt", "mlp", "cnn", "hf-gpt2", "hf-llama")
+# Models of other libraries (transformers, diffusers, torch.nn layers): the benchmark zoo.
+THIRD_PARTY: tuple[str, ...] = tuple(third_party.SPECS)
+MODELS = ("gpt", "mlp", "cnn", "hf-gpt2", "hf-llama", *THIRD_PARTY)
 
 
 class WorkloadError(CkptGraphValueError):
@@ -60,6 +64,11 @@ DEFAULTS: dict[str, ModelDefaults] = {
     "cnn": ModelDefaults(layers=6, width=32, batch=16, seq_len=64),
     "hf-gpt2": ModelDefaults(layers=4, width=256, batch=4, seq_len=128),
     "hf-llama": ModelDefaults(layers=4, width=256, batch=4, seq_len=128),
+    # See Note [Third-party zoo sizes].
+    **{
+        n: ModelDefaults(s.layers, s.width, s.batch, s.seq_len)
+        for n, s in third_party.SPECS.items()
+    },
 }
 
 
@@ -73,8 +82,9 @@ class Workload:
         blocks: the repeated blocks, in forward order, each called once per forward.
         inputs: the batch (on the model's device).
         loss_fn: maps the model output to a scalar loss.
-        blocks_are_plain: every block maps one tensor to one tensor (``h = block(h)``), so
-            strategies may regroup consecutive blocks.
+        blocks_are_plain: every block maps one tensor to one tensor (``h = block(h)``).
+            torch-sqrt does not rely on it: it reads which blocks chain from one forward
+            (see Note [Block chains]).
         sizes: the sizes the workload was built with.
     """
 
@@ -112,6 +122,8 @@ def estimate_bytes(name: str, layers: int, width: int, batch: int, seq_len: int)
 
     Used to reject sizes that cannot fit before building anything.
     """
+    if name in third_party.SPECS:
+        return third_party.estimate_bytes(name, layers, width, batch, seq_len)
     if name == "mlp":
         params = layers * 8 * width * width
         acts = layers * batch * width * 12
@@ -148,13 +160,14 @@ def build_workload(
         dtype, device: where the model and batch live.
         dropout: dropout probability (GPT-style models only).
         seed: seed for weights and batch.
-        heads: attention heads of ``gpt`` (``None``: head size 64 where possible); must
-            divide ``width``.
+        heads: attention heads of ``gpt`` and ``hf-gpt2`` (``None``: head size 64 where
+            possible); must divide ``width``.
         eager_attention: ``gpt`` computes attention op by op (softmax of the T x T scores,
-            dropout on the probabilities) instead of one fused op.
+            dropout on the probabilities) instead of one fused op; ``hf-gpt2`` uses
+            transformers' ``"eager"`` attention instead of ``"sdpa"``.
 
     Raises:
-        WorkloadError: unknown model, nonsensical size, or ``transformers`` missing for ``hf-*``.
+        WorkloadError: unknown model, nonsensical size, or the model's library missing.
 
     Example:
         >>> w = build_workload("mlp", layers=2, width=16, batch=4)
@@ -211,7 +224,24 @@ def build_workload(
             True,
             sizes,  # type: ignore[arg-type]
         )
-    return _build_hf(name, sizes, dtype, device, dropout, gen)
+    if name in third_party.SPECS:
+        try:
+            built = third_party.build(name, sizes, dropout, gen)
+        except third_party.MissingLibrary as e:
+            raise WorkloadError(str(e).removeprefix("ckpt_graph: ")) from None
+        model = built.model
+        first = next(model.parameters())
+        if first.dtype != dtype or first.device != torch.device(device):
+            model = model.to(device=device, dtype=dtype)  # (diffusers warns on any cast)
+        inputs = tuple(
+            x.to(device=device, dtype=dtype) if x.is_floating_point() else x.to(device)
+            for x in built.inputs
+        )
+        # Third-party blocks take keyword arguments and may return tuples: not plain blocks.
+        return Workload(name, model, built.blocks, inputs, built.loss_fn, False, sizes)
+    if heads is not None and (heads < 1 or width % heads):
+        raise WorkloadError(f"heads must divide width {width}, got {heads}")
+    return _build_hf(name, sizes, dtype, device, dropout, gen, heads, eager_attention)
 
 
 def _ce_loss(target: torch.Tensor) -> Callable[[object], torch.Tensor]:
@@ -229,6 +259,8 @@ def _build_hf(
     device: str | torch.device,
     dropout: float,
     gen: torch.Generator,
+    heads: int | None = None,
+    eager_attention: bool = False,
 ) -> Workload:
     try:
         import transformers as _transformers
@@ -239,7 +271,7 @@ def _build_hf(
         ) from None
     layers, width, batch, seq_len = (sizes[k] for k in ("layers", "width", "batch", "seq_len"))
     transformers: Any = _transformers  # its stubs vary by version; only public names are used
-    heads = _heads(width)
+    heads = _heads(width) if heads is None else heads
     vocab = 2048
     cfg: Any
     model: nn.Module
@@ -257,7 +289,7 @@ def _build_hf(
             bos_token_id=0,
             eos_token_id=0,
         )
-        cfg._attn_implementation = "sdpa"
+        cfg._attn_implementation = "eager" if eager_attention else "sdpa"
         model = transformers.GPT2LMHeadModel(cfg)
         blocks = list(cast(Any, model).transformer.h)
     else:
