@@ -79,6 +79,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BOUND_MIN_BYTES",
     "close_segment",
+    "closes_between",
     "collect_realize",
     "decide_bound",
     "join_segment",

@@ -20,15 +20,20 @@ bound the same pass the same way.
 # checkpoint and the last segment, the case ``j`` = last. Every op runs at most twice
 # whatever the cuts: once in the first realize, once when its segment is cached again.
 # 1. Cuts for a peak ``M``: greedily from the first op, a segment grows while its bytes fit
-#    in ``M`` less the checkpoints so far; among the positions where it holds at least half
-#    of that room, the cut goes where it adds the fewest checkpoint bytes (the latest of
-#    equals): between two blocks of a network, where only the residual stream crosses, not
-#    inside attention. If no position reaches half (one large value follows), the cut goes
-#    at the last position that fits. ``M`` is feasible when the greedy reaches the end.
+#    in ``M`` less the checkpoints so far; the cut goes where it adds the fewest checkpoint
+#    bytes per byte of segment (the latest of equals): at the last block boundary that
+#    fits, where only the residual stream crosses, not inside attention or a GELU (the
+#    fewest bytes among positions holding at least half the room, used first, cut a GPT-2
+#    inside its MLPs near the end, where the room is small). ``M`` is feasible when the
+#    greedy reaches the end.
 # 2. Automatically the pass takes the least feasible ``M`` (bisection to 1/256): the least
 #    cache that two forwards allow, found on the pass's own values rather than from a mean
 #    (a mean frontier, used before, sized segments for the costlier cuts inside blocks and
-#    peaked 13% above checkpointing every block of a 24-block transformer).
+#    peaked 13% above checkpointing every block of a 24-block transformer). The first
+#    realize that closes segments ends holding every checkpoint while the gradients of its
+#    step are alive (``extra``: its reader's outputs and the values crossing it; a language
+#    model's logits): larger peaks, with fewer cuts, are tried up to no cut, and the one
+#    with the least ``max(M, checkpoints + extra)`` is taken.
 # 3. An explicit ``cache_limit`` ``L`` is ``M = L`` when feasible; otherwise the least
 #    feasible ``M`` is used and the engine warns.
 # 4. The tail cut. The first realize that closes segments runs during the backward step of

@@ -78,12 +78,15 @@ builds one from a recorded region.
 #    in the current realize needs it (``waiting_readers``), and runs again at its next use;
 #    each use of it releases a use of each input.
 # 8. Bounded cache, as ``realize`` bounds it (Note [Bounded recompute cache]): with
-#    ``SimGraph.cache_limit`` not ``"unbounded"``, the segment size is computed from the
-#    same use counts (``cache_bound.segment_limit``); a bounded pass marks no transient values,
+#    ``SimGraph.cache_limit`` not ``"unbounded"``, the cuts are planned from the same use
+#    counts (``segment_plan``, Note [Planned segment cuts]); an automatic bound is decided at
+#    the first realize, in the modelled unpack order, that would cache anything (transient
+#    values are marked then if it stays unbounded); a bounded pass marks no transient values,
 #    and each realize collects its ops, counts their reads (``need``), runs them in forward
-#    order, adds values no remaining op reads to the open segment, closes segments (frontier
-#    kept as checkpoints, segment dropped, producers owed a run that adds a use to each
-#    recomputed input) and runs dropped values again when a later step needs them.
+#    order, adds values no remaining op reads to the open segment, closes segments at the
+#    cuts (frontier kept as checkpoints, pinned until the next close, segment dropped,
+#    producers owed a run that adds a use to each recomputed input) and runs dropped values
+#    again when a later step needs them.
 # 9. Generator states (Note [RNG replay]): a random op holds the state it replays with
 #    while it may still run: until it is dead (rule 5) and its kept outputs have no live
 #    use either (the engine drops the state then). Random ops that drew nothing share one
