@@ -58,10 +58,11 @@ class save_recompute_policy:
             checks]). Only honoured by the block that opens the region.
         cache_limit: how many bytes of recomputed values backward may hold cached at once
             (set by the block that opens the region; a nested block may only repeat it).
-            ``None`` (default) bounds automatically: when one realize would cache much of
-            the forward (one region over a whole model), values are cached in segments of
-            about ``sqrt(bytes x frontier)`` and recomputed again from sparse checkpoints,
-            at most two forwards of recompute in all (Chen et al. 2016). An int or a string
+            ``None`` (default) bounds automatically: when backward's first realize that
+            caches anything would cache much of the forward (one region over a whole
+            model), values are cached in segments between cuts planned for the least cache
+            and recomputed again from the checkpoints at the cuts, at most two forwards of
+            recompute in all (Chen et al. 2016). An int or a string
             such as ``"256MiB"`` or ``"1.5GB"`` sets the bound in bytes (a warning says
             when it is below what two forwards can reach); ``"unbounded"`` caches every
             recomputed value until its last use. See Note [Bounded recompute cache].

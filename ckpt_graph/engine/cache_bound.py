@@ -1,4 +1,4 @@
-"""The bounded recompute cache: segment size, segments, checkpoints and owed runs.
+"""The bounded recompute cache: the decision to bound, segments, checkpoints and owed runs.
 
 ``realize`` runs a bounded pass with these pieces; ``save_recompute_policy(cache_limit=...)``
 is validated by :func:`parse_cache_limit`.
@@ -9,31 +9,38 @@ is validated by :func:`parse_cache_limit`.
 # inputs, the first unpack of backward realizes a value near the end of the forward, and
 # every value before it stays cached until its own backward step. A pass therefore bounds
 # what realize holds, with Chen et al.'s (2016) segments applied online:
-# 1. Segment size. ``begin_pass`` measures the recomputed values the pass needs: T, the
-#    bytes of the storages autograd saved, and F, their mean frontier (the bytes of
-#    recomputed storages alive across a position of the forward, from the producer to the
-#    last reader that will run, averaged over positions). Segments of K = sqrt(T * F) bytes
-#    leave about T / K frontiers = K bytes of checkpoints plus one segment of K: about
-#    2 sqrt(T F) in all, the least that one extra forward allows. Automatically
-#    (``cache_limit=None``) a pass is bounded only when its first unpack (of the last saved
-#    tensor) would realize and cache at least 4 K of saved values: below, bounding saves
-#    less than half and costs a recompute, so a small region (one block of ``wrap``) or a
-#    policy that keeps enough (``save_matmuls``) caches as before, transient values
-#    included. An explicit ``cache_limit`` L gives K = L / 2 (half for the segment in
-#    flight, half for checkpoints) and bounds whenever T > L; L < 2 sqrt(T F) cannot be met
-#    with two forwards, so a warning names both and K = sqrt(T F) is used instead.
-#    ``cache_limit="unbounded"`` caches every value until its last use.
+# 1. Whether and where to bound. ``begin_pass`` profiles the storages of the recomputed
+#    values the pass needs (``segment_plan.SegmentProfile``): T, the bytes of those autograd
+#    saved, and where segments can be cut (Note [Planned segment cuts]). Automatically
+#    (``cache_limit=None``) the decision waits for the pass's first realize that would leave
+#    values cached for later unpacks or ops: the realizes before it (the transposed weight
+#    of the last linear layer, a view of a kept value, comes first in most models) cache
+#    nothing, and guessing which saved tensor is unpacked first (the last one saved, once)
+#    left one region over most models unbounded. That realize is collected (rule 2) and
+#    the bytes it would cache counted exactly, by storage; the cuts are planned then, for
+#    the least peak P of the cache (with the gradients alive at that unpack, see
+#    ``step_gradient_bytes``). The pass is bounded when that realize would cache at least
+#    2 P and at least ``BOUND_MIN_BYTES``; below, bounding saves less than half, or a few
+#    bytes, and costs a recompute, so a small region (one block of ``wrap``) or a policy that
+#    keeps enough (``save_matmuls``) caches as before, transient values included (marked
+#    then, as an unbounded pass marks them at its start). An explicit ``cache_limit`` L bounds whenever T > L, with cuts planned at the
+#    pass's start for a peak of L; when two forwards cannot meet L, a warning names the
+#    least peak they can, which is used instead. ``cache_limit="unbounded"`` caches every
+#    value until its last use.
 # 2. A bounded realize first collects the op nodes to run (from its target back to kept or
 #    cached values) and counts, per value, the collected ops that read it (``need``); then it
 #    runs them in forward order. A value that no remaining op of the realize reads, but a
-#    later unpack or op will (``pass_uses > 0``), joins the open *segment* (a view counts the
-#    storage it holds). The segment is closed when it would exceed K bytes, or earlier at a
-#    cheap place: once it holds K / 2 and the frontier is at most F. Closing makes every
-#    value of this realize that a remaining op still reads (the frontier: with the kept
-#    values it suffices for every later op) a *checkpoint*, cached until its use count
-#    reaches zero, and drops the values of the segment. A realize closes nothing when the
-#    values it leaves cached fit in K (it runs a closed segment again), nor after its last
-#    op: the open segment stays cached, backward uses it next.
+#    later unpack or op will (``pass_uses > 0``), joins the open *segment*. When the realize
+#    passes a planned cut, the segment is closed: every value of this realize that a
+#    remaining op still reads (the frontier: with the kept values it suffices for every
+#    later op) becomes a *checkpoint*, cached until its use count reaches zero, and the
+#    values of the segment are dropped. Checkpoints hold one use more until the next close
+#    (or the realize's end): the ops of the segment after them read them, and when that
+#    segment is dropped in turn its producers are owed runs that read them again (freed at
+#    once, they were made again from the cut before, and so on back: ops of a BERT ran
+#    seven times). A realize closes nothing when the values it leaves cached fit in P (it
+#    runs a closed segment again), nor after its last op: the open segment stays cached,
+#    backward uses it next.
 # 3. Dropping a value with pending uses means its producer will run again: the producer is
 #    *owed* a run and each of its recomputed inputs gets one more use; an input that is not
 #    cached owes a run of its own producer, and so on (a node is owed at most one run;
@@ -41,10 +48,10 @@ is validated by :func:`parse_cache_limit`.
 #    and a checkpoint is freed once the last segment that reads it ran again.
 # 4. A later unpack of a dropped value realizes it from the checkpoints. Backward runs in
 #    reverse, so the first unpack in a segment asks for its latest value and runs the
-#    segment again, whose values fit in K and stay cached until used. Each op therefore
+#    segment again, whose values fit in P and stay cached until used. Each op therefore
 #    runs at most twice: in the first realize, and when its segment runs again. Ops off the
 #    path to the first target run when needed, from whatever is cached: they can add runs,
-#    never cached bytes beyond K per realize.
+#    and cache at most what their own realize needs.
 # 5. Exactness and termination: a dropped value is recomputed by the same op from the same
 #    values (kept, cached, or recomputed by the same rule), random ops with their recorded
 #    generator state (Note [RNG replay]), in-place ops on a copy unless no other pending use
@@ -56,12 +63,13 @@ is validated by :func:`parse_cache_limit`.
 
 from __future__ import annotations
 
-import math
+import bisect
 import warnings
 from typing import TYPE_CHECKING
 
 from ckpt_graph._errors import CkptGraphError
 from ckpt_graph._sizes import parse_size
+from ckpt_graph.engine.segment_plan import SegmentProfile
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import Handle, OpNode
@@ -69,13 +77,18 @@ if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
 
 __all__ = [
+    "BOUND_MIN_BYTES",
     "close_segment",
-    "frontier_bytes",
+    "closes_between",
+    "collect_realize",
+    "decide_bound",
     "join_segment",
     "owe",
     "parse_cache_limit",
+    "plan_bound",
     "plan_realize",
-    "segment_limit",
+    "root_of",
+    "unpin",
 ]
 
 
@@ -111,69 +124,105 @@ def parse_cache_limit(limit: object) -> int | str | None:
     raise CkptGraphError(f"ckpt_graph: cache_limit={limit!r} is not a valid bound; {hint}")
 
 
-def segment_limit(region: Region, last: dict[Handle, int]) -> int:
-    """Bytes per segment of a bounded pass, 0 to cache without bound.
+# A pass whose first caching realize would cache less stays unbounded: running its ops again
+# costs ~10 us of Python each, more than holding a few small values is worth (the same
+# trade as ``passes.TRANSIENT_MIN_BYTES``). See Note [Bounded recompute cache], rule 1.
+BOUND_MIN_BYTES = 64 * 1024
 
-    ``last`` maps each recomputed value to its last consumer op that will run. See Note
-    [Bounded recompute cache], rule 1.
+
+def plan_bound(region: Region, last: dict[Handle, int]) -> None:
+    """Plan the pass's bound from its use counts; ``last`` maps each recomputed value to its
+    last consumer op that will run. Sets ``PassState.segment_limit`` and ``cuts`` for an
+    explicit ``cache_limit``, or the plan an automatic bound decides on (``decide_bound``).
+    See Note [Bounded recompute cache], rule 1.
     """
-    region._pass.roots = {}  # kept values are settled for the pass: see ``root_of``
-    end: dict[Handle, int] = {}  # per storage (its root value), the last op that reads it
-    saved: set[Handle] = set()
+    state = region._pass
+    state.roots = {}  # kept values are settled for the pass: see ``root_of``
+    storages: dict[Handle, list[int]] = {}  # per storage (its root value): producer, end, saved
     for node in region.nodes:
         for o in node.outputs:
             if o is not None and o.reason is None and o.pass_uses > 0 and not o.live:
                 root = root_of(region, o)
                 if root.reason is not None or root.live:
                     continue  # a view of a kept or live value holds nothing
-                end[root] = max(end.get(root, 0), last.get(o, node.index))
+                entry = storages.get(root)
+                if entry is None:
+                    entry = storages[root] = [root.node_index, root.node_index, 0]
+                entry[1] = max(entry[1], last.get(o, node.index))
                 if o.saved_refs:
-                    saved.add(root)
-    total = sum(h.nbytes for h in saved)
-    spans = sum(h.nbytes * (e - h.node_index) for h, e in end.items())
-    frontier = spans // max(len(region.nodes), 1)
-    region._pass.frontier_bytes = frontier
-    k = math.isqrt(total * frontier)
+                    entry[2] = 1
+    spans = [(p, e, r.nbytes, saved == 1) for r, (p, e, saved) in storages.items()]
+    profile = SegmentProfile(len(region.nodes), spans)
     limit = region.cache_limit
     if limit is None:
-        return k if k > 0 and _first_realize_bytes(region) >= 4 * k else 0
+        state.undecided = profile.saved_bytes > 0
+        state.profile = profile
+        return
     assert isinstance(limit, int)
+    total = profile.saved_bytes
     if total <= limit:
-        return 0
-    if limit < 2 * k:
+        return
+    plan = profile.plan(limit)
+    if not plan.feasible:
         warnings.warn(
-            f"ckpt_graph: cache_limit={limit:,} bytes is below the {2 * k:,} bytes that this "
-            f"region's recomputed values ({total:,} bytes) need with at most two forwards of "
-            f"recompute; caching up to about {2 * k:,} bytes instead. Keep more values (a policy "
-            "or tag_with_policy), or raise cache_limit to silence this warning.",
+            f"ckpt_graph: cache_limit={limit:,} bytes is below the {plan.peak:,} bytes that "
+            f"this region's recomputed values ({total:,} bytes) need with at most "
+            f"two forwards of recompute; caching up to about {plan.peak:,} bytes instead. Keep "
+            "more values (a policy or tag_with_policy), or raise cache_limit to silence this "
+            "warning.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
-        return max(k, 1)
-    return limit // 2
+    state.segment_limit = max(plan.peak, 1)
+    state.cuts = list(plan.cuts)
+    state.profile = profile
 
 
-def _first_realize_bytes(region: Region) -> int:
-    """Bytes of saved values the first unpack of a pass would cache, unbounded: the values
-    its realize recomputes that autograd saved, by storage. Backward starts with the last
-    saved tensors of the forward."""
+def decide_bound(region: Region, h: Handle) -> bool | None:
+    """Decide an automatic bound at the pass's first realize that caches anything: whether
+    the pass is bounded, or ``None`` when realizing ``h`` caches nothing for later (the
+    decision waits). See Note [Bounded recompute cache], rule 1."""
+    state = region._pass
+    profile = state.profile
+    assert profile is not None
+    _, _, held = collect_realize(region, h)
+    if held == 0:
+        return None
+    state.undecided = False
+    if held < BOUND_MIN_BYTES:
+        state.profile = None
+        return False
+    plan = profile.plan(extra=step_gradient_bytes(region, h))
+    if not plan.cuts or held < 2 * plan.peak:
+        state.profile = None
+        return False
+    state.segment_limit = max(plan.peak, 1)
+    state.cuts = list(plan.cuts)
+    return True
+
+
+def step_gradient_bytes(region: Region, h: Handle) -> int:
+    """Bytes of the gradients alive while backward unpacks ``h`` the first time, as the
+    region's graph bounds them: the outputs of the last op reading ``h`` (its step) and the
+    values made before that op and read after it. See Note [Planned segment cuts], rule 2.
+    """
     nodes = region.nodes
-    target = next((h for h in reversed(region._saved_handles) if h.reason is None), None)
-    if target is None or target.node_index < 0 or target.live:
-        return 0
-    seen = {target.node_index}
-    stack = [target.node_index]
-    roots: set[Handle] = set()
-    while stack:
-        node = nodes[stack.pop()]
-        for o in node.outputs:
-            if o is not None and o.reason is None and o.saved_refs and not o.live:
-                roots.add(root_of(region, o))
+    step = h.node_index
+    last: dict[Handle, int] = {}
+    for node in nodes[h.node_index + 1 :]:
         for i in node.inputs:
-            if i.reason is None and not i.live and i.node_index not in seen:
-                seen.add(i.node_index)
-                stack.append(i.node_index)
-    return sum(r.nbytes for r in roots if r.reason is None and not r.live)
+            if i.node_index >= 0:
+                last[i] = node.index
+                if i is h:
+                    step = node.index
+    total = 0
+    for o in nodes[step].outputs:
+        if o is not None and not o.is_view:
+            total += o.nbytes
+    for v, end in last.items():
+        if v.node_index < step < end and not v.is_view:
+            total += v.nbytes
+    return total
 
 
 def root_of(region: Region, h: Handle) -> Handle:
@@ -201,26 +250,17 @@ def root_of(region: Region, h: Handle) -> Handle:
     return h
 
 
-def join_segment(region: Region, state: PassState, h: Handle) -> None:
-    """``h`` is cached for later users only: add it to the open segment, closing it first
-    if it would exceed the segment size. A view counts the bytes of the storage it holds
-    unless that is kept, cached or already counted. See Note [Bounded recompute cache],
-    rule 2."""
-    nbytes = h.nbytes
-    if h.is_view:
-        root = root_of(region, h)
-        if root.reason is not None or root.cache is not None or root in state.segment_roots:
-            nbytes = 0
-        else:
-            state.segment_roots.add(root)
-    if state.closing and state.segment and state.segment_bytes + nbytes > state.segment_limit:
-        close_segment(region, state)
+def join_segment(state: PassState, h: Handle) -> None:
+    """``h`` is cached for later users only: add it to the open segment. See Note [Bounded
+    recompute cache], rule 2."""
     state.segment.append(h)
-    state.segment_bytes += nbytes
 
 
 def close_segment(region: Region, state: PassState) -> None:
-    """Keep the frontier cached as checkpoints, drop the open segment's values."""
+    """Keep the frontier cached as checkpoints, drop the open segment's values. The new
+    checkpoints are pinned (one use more) until the next close: the segment after them may
+    be dropped, and its producers then read them again. See Note [Bounded recompute
+    cache], rule 2."""
     state.checkpoints.update(state.active)
     state.closed_segments += 1
     for d in state.segment:
@@ -230,14 +270,28 @@ def close_segment(region: Region, state: PassState) -> None:
                 state.cached_bytes -= d.nbytes
             owe(region, region.nodes[d.node_index])
     state.segment = []
-    state.segment_bytes = 0
-    state.segment_roots = set()
+    for a in state.active:
+        a.pass_uses += 1
+    unpin(state)
+    state.pinned = list(state.active)
 
 
-def frontier_bytes(region: Region, state: PassState) -> int:
-    """Bytes of storage the values of this realize still to be read hold (the frontier)."""
-    roots = {root_of(region, a) for a in state.active}
-    return sum(r.nbytes for r in roots if r.reason is None and not r.live)
+def unpin(state: PassState) -> None:
+    """Release the pins of the last cut's checkpoints; free those with no use left."""
+    for a in state.pinned:
+        a.pass_uses -= 1
+        if a.pass_uses == 0 and a.cache is not None:
+            a.cache = None
+            if not a.is_view:
+                state.cached_bytes -= a.nbytes
+    state.pinned = []
+
+
+def closes_between(state: PassState, after: int, before: int) -> bool:
+    """Whether a planned cut lies at op ``after`` or between it and op ``before``."""
+    cuts = state.cuts
+    k = bisect.bisect_left(cuts, after)
+    return k < len(cuts) and cuts[k] < before
 
 
 def owe(region: Region, node: OpNode) -> None:
@@ -257,13 +311,12 @@ def owe(region: Region, node: OpNode) -> None:
                     stack.append(nodes[i.node_index])
 
 
-def plan_realize(region: Region, h: Handle) -> list[int]:
-    """The op nodes a bounded realize of ``h`` runs, in forward order; sets up the pass
-    state (``need``, the open segment, whether it may close). See Note [Bounded recompute
-    cache], rule 2."""
+def collect_realize(region: Region, h: Handle) -> tuple[list[int], dict[Handle, int], int]:
+    """What a realize of ``h`` runs, from its target back to kept or cached values: the op
+    nodes in forward order, per value the collected ops that read it (``need``, the target
+    once for its unpack), and the bytes of the storages it leaves cached for later users."""
     nodes = region.nodes
-    state = region._pass
-    need = state.need = {h: 1}  # the target stays cached until the unpack took it
+    need = {h: 1}
     todo: set[int] = set()
     stack = [h.node_index]
     while stack:
@@ -277,16 +330,28 @@ def plan_realize(region: Region, h: Handle) -> list[int]:
                 if i.cache is None:
                     stack.append(i.node_index)
     order = sorted(todo)
-    # Values this realize leaves cached for later users, counted by storage: when they fit
-    # in a segment, the realize closes none (it is running a closed segment again).
     held: set[Handle] = set()
     for index in order:
         for o in nodes[index].outputs:
             if o is not None and o.reason is None and o.pass_uses > need.get(o, 0):
                 held.add(root_of(region, o))
-    held_bytes = sum(r.nbytes for r in held if r.reason is None and not r.live)
+    return order, need, sum(r.nbytes for r in held if r.reason is None and not r.live)
+
+
+def plan_realize(region: Region, h: Handle) -> list[int]:
+    """The op nodes a bounded realize of ``h`` runs, in forward order; sets up the pass
+    state (``need``, the open segment, whether it may close). See Note [Bounded recompute
+    cache], rule 2."""
+    state = region._pass
+    order, state.need, held = collect_realize(region, h)
+    # When the values it leaves cached fit, the realize closes nothing: it is running a
+    # closed segment again.
     state.segment = []
-    state.segment_bytes = 0
-    state.segment_roots = set()
-    state.closing = held_bytes > state.segment_limit
+    state.closing = held > state.segment_limit
+    profile = state.profile
+    if state.closing and profile is not None:  # See Note [Planned segment cuts], rule 4.
+        state.profile = None
+        cut = profile.tail_cut(state.cuts, h.node_index)
+        if cut is not None:
+            bisect.insort(state.cuts, cut)
     return order

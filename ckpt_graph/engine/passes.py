@@ -50,15 +50,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ckpt_graph.engine.cache_bound import segment_limit
+from ckpt_graph.engine.cache_bound import decide_bound, plan_bound
 from ckpt_graph.engine.graph import Handle, version_of
 from ckpt_graph.engine.holding import detached, unhold
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
     from ckpt_graph.engine.region import Region
+    from ckpt_graph.engine.segment_plan import SegmentProfile
 
-__all__ = ["TRANSIENT_MIN_BYTES", "PassState", "begin_pass", "end_pass", "live_forward"]
+__all__ = [
+    "TRANSIENT_MIN_BYTES",
+    "PassState",
+    "begin_pass",
+    "decide",
+    "end_pass",
+    "live_forward",
+]
 
 
 class PassState:
@@ -70,17 +78,18 @@ class PassState:
         "checkpoints",
         "closed_segments",
         "closing",
-        "frontier_bytes",
+        "cuts",
         "need",
         "number",
         "peak_cached_bytes",
+        "pinned",
+        "profile",
         "recomputed_ops",
         "roots",
         "segment",
-        "segment_bytes",
         "segment_limit",
-        "segment_roots",
         "task",
+        "undecided",
     )
 
     def __init__(self) -> None:
@@ -89,17 +98,19 @@ class PassState:
         self.recomputed_ops = 0
         self.cached_bytes = 0
         self.peak_cached_bytes = 0
-        # See Note [Bounded recompute cache]; segment_limit 0: the pass caches without bound.
+        # See Note [Bounded recompute cache]; segment_limit 0: the pass caches without bound,
+        # else the planned peak of the cache, with segments closed at ``cuts`` (op indices).
         self.segment_limit = 0
+        self.cuts: list[int] = []
+        self.undecided = False  # an automatic bound waits for the first realize that caches
+        self.profile: SegmentProfile | None = None  # until decided and the tail cut placed
         self.segment: list[Handle] = []
-        self.segment_bytes = 0
-        self.segment_roots: set[Handle] = set()  # storages the open segment's views hold
-        self.frontier_bytes = 0  # mean frontier of the pass
         self.closing = False  # whether the running realize may close segments
         self.closed_segments = 0  # in the current or last pass
         self.active: dict[Handle, None] = {}  # values of this realize that `need` > 0
         self.need: dict[Handle, int] = {}  # per value, collected ops of the realize to read it
         self.checkpoints: set[Handle] = set()
+        self.pinned: list[Handle] = []  # checkpoints of the last cut, until the next close
         self.roots: dict[Handle, Handle] = {}  # memo of ``cache_bound.root_of``
 
 
@@ -134,8 +145,9 @@ def begin_pass(region: Region, task: int) -> None:
                     i.pass_uses += 1
                     if bound and i not in last:
                         last[i] = node.index
-    state.segment_limit = segment_limit(region, last) if bound else 0
-    if state.segment_limit == 0:
+    if bound:
+        plan_bound(region, last)
+    if state.segment_limit == 0 and not state.undecided:
         _mark_transient(region)
     if task != -1:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: end_pass(region))
@@ -312,6 +324,13 @@ def _aliases_kept(region: Region, h: Handle) -> bool:
     return h.reason is not None
 
 
+def decide(region: Region, h: Handle) -> None:
+    """Take the automatic bound's decision if realizing ``h`` caches anything; an unbounded
+    pass marks its transient values then. See Note [Bounded recompute cache], rule 1."""
+    if decide_bound(region, h) is False:
+        _mark_transient(region)
+
+
 def end_pass(region: Region) -> None:
     """Free everything the pass left cached and forget its use counts."""
     state = region._pass
@@ -319,12 +338,14 @@ def end_pass(region: Region) -> None:
     state.cached_bytes = 0
     bounded = state.segment_limit > 0
     state.segment_limit = 0
+    state.cuts = []
+    state.undecided = False
+    state.profile = None
     state.segment = []
-    state.segment_bytes = 0
-    state.segment_roots = set()
     state.active = {}
     state.need = {}
     state.checkpoints = set()
+    state.pinned = []
     for node in region.nodes:
         if node.transient:
             node.transient = False

@@ -22,11 +22,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckpt_graph._errors import CkptGraphError
-from ckpt_graph.engine.cache_bound import close_segment, frontier_bytes, join_segment, plan_realize
+from ckpt_graph.engine.cache_bound import (
+    close_segment,
+    closes_between,
+    join_segment,
+    plan_realize,
+    unpin,
+)
 from ckpt_graph.engine.debug import check_replay
 from ckpt_graph.engine.graph import INPUT, Handle, arg_at, version_of
 from ckpt_graph.engine.op_info import UNANNOTATED_ALIASES
-from ckpt_graph.engine.passes import PassState, begin_pass, end_pass, live_forward
+from ckpt_graph.engine.passes import PassState, begin_pass, decide, end_pass, live_forward
 from ckpt_graph.engine.replay import (
     _call,
     _enter_replay,
@@ -137,6 +143,8 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
     nodes = region.nodes
     state = region._pass
     number = state.number
+    if state.undecided:  # See Note [Bounded recompute cache], rule 1.
+        decide(region, h)
     replay = _enter_replay(region)  # set up by hand: it runs once per unpack that recomputes
     try:
         if state.segment_limit > 0:
@@ -196,11 +204,13 @@ def _realize_bounded(region: Region, h: Handle) -> None:
     state = region._pass
     order = plan_realize(region, h)
     try:
-        for index in order:
-            if index == order[-1]:
-                state.closing = False  # the last segment stays cached: backward is at it
+        for k, index in enumerate(order):
             run_node(region, nodes[index])
+            # the last segment stays cached: backward is at it
+            if state.closing and k + 1 < len(order) and closes_between(state, index, order[k + 1]):
+                close_segment(region, state)
     finally:
+        unpin(state)
         state.need = {}
         state.active = {}
 
@@ -275,7 +285,7 @@ def run_node(region: Region, node: OpNode) -> None:
                 if o in state.need:
                     state.active[o] = None
                 else:
-                    join_segment(region, state, o)
+                    join_segment(state, o)
     if state.cached_bytes > state.peak_cached_bytes:
         state.peak_cached_bytes = state.cached_bytes
     if node.transient:  # its inputs are released with its value's uses
@@ -293,11 +303,4 @@ def run_node(region: Region, node: OpNode) -> None:
                 if i in state.active:
                     del state.active[i]
                     if i.cache is not None and i not in state.checkpoints:
-                        join_segment(region, state, i)
-    if (
-        bounded
-        and state.closing
-        and 2 * state.segment_bytes >= state.segment_limit
-        and frontier_bytes(region, state) <= state.frontier_bytes
-    ):  # a cheap place for checkpoints. See Note [Bounded recompute cache], rule 2.
-        close_segment(region, state)
+                        join_segment(state, i)

@@ -108,7 +108,9 @@ class BudgetCheck:
             if t is None:
                 continue
             self._device = t.device
-            if t.is_leaf and t.requires_grad:
+            # a leaf needing a gradient; a view's grad_fn is not read (it raises for an
+            # unbind output whose base was written since: issue 21 item 2)
+            if t.requires_grad and not t._is_view() and t.grad_fn is None:
                 try:
                     key = t.untyped_storage().data_ptr()
                 except (RuntimeError, NotImplementedError):

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ckpt_graph.engine import passes
+from ckpt_graph.engine import cache_bound, passes
 from ckpt_graph.engine.graph import INPLACE_ON_KEPT
 from ckpt_graph.engine.op_info import UNANNOTATED_ALIASES
 from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimValue
@@ -252,6 +252,7 @@ def from_region(
         region.cache_limit,
         tuple(rng_bytes),
         grads_in,
+        cache_bound.BOUND_MIN_BYTES,
     )
 
 

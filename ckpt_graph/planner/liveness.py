@@ -78,19 +78,25 @@ builds one from a recorded region.
 #    in the current realize needs it (``waiting_readers``), and runs again at its next use;
 #    each use of it releases a use of each input.
 # 8. Bounded cache, as ``realize`` bounds it (Note [Bounded recompute cache]): with
-#    ``SimGraph.cache_limit`` not ``"unbounded"``, the segment size is computed from the
-#    same use counts (``cache_bound.segment_limit``); a bounded pass marks no transient values,
+#    ``SimGraph.cache_limit`` not ``"unbounded"``, the cuts are planned from the same use
+#    counts (``segment_plan``, Note [Planned segment cuts]); an automatic bound is decided at
+#    the first realize, in the modelled unpack order, that would cache anything (transient
+#    values are marked then if it stays unbounded); a bounded pass marks no transient values,
 #    and each realize collects its ops, counts their reads (``need``), runs them in forward
-#    order, adds values no remaining op reads to the open segment, closes segments (frontier
-#    kept as checkpoints, segment dropped, producers owed a run that adds a use to each
-#    recomputed input) and runs dropped values again when a later step needs them.
+#    order, adds values no remaining op reads to the open segment, closes segments at the
+#    cuts (frontier kept as checkpoints, pinned until the next close, segment dropped,
+#    producers owed a run that adds a use to each recomputed input) and runs dropped values
+#    again when a later step needs them.
 # 9. Generator states (Note [RNG replay]): a random op holds the state it replays with
 #    while it may still run: until it is dead (rule 5) and its kept outputs have no live
 #    use either (the engine drops the state then). Random ops that drew nothing share one
 #    state. They count in ``peak_total_bytes`` only, as the
 #    planner budgets activations: a CPU state is 5 KiB, which matters in tiny test models
 #    only. (Not modelled, they made the measured peaks of such models look up to 17% below
-#    the prediction once the engine dropped them early in backward.)
+#    the prediction once the engine dropped them early in backward.) While a random op runs
+#    again, the generator's current state is copied aside (one more state, rule 4's
+#    ``run_workspace``): a bounded pass runs dropout again late in a block's backward, where
+#    that copy made the peak.
 # Known limitations: the unpacked values of kept tensors are aliases (no memory); the
 # order of allocations inside a step's formula is not modelled; the engine's ready queue may run
 # independent branches in another order than the reverse forward order; memory outside the
@@ -189,7 +195,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
     bound = (
         Bound(g, kept, pass_uses, last, cached, release) if g.cache_limit != "unbounded" else None
     )
-    if bound is not None and bound.limit == 0:
+    if bound is not None and bound.limit == 0 and not bound.undecided:
         bound = None
     transient = mark_transient(g, kept, pass_uses) if bound is None else [False] * nv
     rng_refs = [0] * len(g.rng_bytes)  # rule 9: ops holding each generator state
@@ -199,6 +205,8 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
             holds[j] = True
             rng_refs[ops[j].rng] += 1
     rng_level = sum(b for b, k in zip(g.rng_bytes, rng_refs, strict=True) if k)
+    # a random op run again swaps in its state: the generator's own is copied meanwhile
+    swap = [g.rng_bytes[op.rng] if op.rng >= 0 else 0 for op in ops]
     waiting_readers = [0] * nv  # rule 7: Handle.waiting_readers
     ran = [False] * n
     runs = [0] * n
@@ -246,7 +254,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
         count += 1
         for o in op.outputs:
             acquire(o)
-        check(op.run_workspace)
+        check(op.run_workspace + swap[j])
         for o in op.outputs:
             if not kept[o] and pass_uses[o] > 0:
                 cached[o] = True
@@ -275,7 +283,7 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
         bound.owed[j] = False
         for o in op.outputs:
             acquire(o)
-        check(op.run_workspace)
+        check(op.run_workspace + swap[j])
         fresh = []
         for o in op.outputs:
             if not kept[o] and pass_uses[o] > 0 and not cached[o]:
@@ -301,24 +309,26 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
                 del bound.active[i]
                 if cached[i] and i not in bound.checkpoints:
                     bound.join(i)
-        if (
-            bound.closing
-            and 2 * bound.segment_bytes >= bound.limit
-            and bound.frontier() <= bound.frontier_bytes
-        ):
-            bound.close()
 
     def realize_bounded(v: int) -> None:
         assert bound is not None
         order = bound.plan_realize(v)
-        for j in order:
-            if j == order[-1]:
-                bound.closing = False  # the last segment stays cached
+        for k, j in enumerate(order):
             run_bounded(j)
+            # the last segment stays cached
+            if bound.closing and k + 1 < len(order) and bound.closes_between(j, order[k + 1]):
+                bound.close()
+        bound.unpin()
         bound.need, bound.active = {}, {}
 
     def realize(v: int) -> None:
-        if bound is not None:
+        nonlocal bound
+        if bound is not None and bound.undecided:  # rule 8: the first realize that caches
+            decided = bound.decide(v)
+            if decided is False:
+                bound = None
+                transient[:] = mark_transient(g, kept, pass_uses)
+        if bound is not None and bound.limit > 0:
             realize_bounded(v)
             return
         stack = [(values[v].producer, False)]

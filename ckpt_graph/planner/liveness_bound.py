@@ -1,17 +1,20 @@
 """The liveness simulator's bounded pass (Note [Backward liveness model] rule 8).
 
-Mirrors ``passes.PassState`` and ``cache_bound`` (Note [Bounded recompute cache]): the
-segment size computed from the same use counts, the realize's reads, the open segment, the
-checkpoints, and the segment operations (join, close, owe, plan a realize). ``simulate``
-drives it: it runs the planned ops and asks for these operations, as ``realize.run_node``
-does in a bounded pass.
+Mirrors ``passes.PassState`` and ``cache_bound`` (Note [Bounded recompute cache]): the cuts
+planned from the same use counts (``segment_plan``, Note [Planned segment cuts]), the
+decision at the first realize that caches anything, the realize's reads, the open segment,
+the pinned checkpoints, and the segment operations (join, close, owe, plan a realize).
+``simulate`` drives it: it runs the planned ops and asks for these operations, as
+``realize`` and ``realize.run_node`` do in a bounded pass.
 """
 
 from __future__ import annotations
 
-import math
+import bisect
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from ckpt_graph.engine.segment_plan import SegmentProfile
 
 if TYPE_CHECKING:
     from ckpt_graph.planner.sim_graph import SimGraph
@@ -27,8 +30,10 @@ class Bound:
     storage back.
 
     Attributes:
-        limit: bytes per segment (``cache_bound.segment_limit``), 0 when the pass is not bounded.
-        frontier_bytes: mean frontier of the pass.
+        limit: planned peak of the cache (``PassState.segment_limit``), 0 while the pass is
+            not bounded.
+        cuts: op indices after which a segment closes, ascending.
+        undecided: an automatic bound waits for the first realize that caches anything.
         owed: per op, an output was dropped while it had uses left: the op runs again.
     """
 
@@ -64,34 +69,41 @@ class Bound:
         saved_refs = [0] * len(values)
         for _, v in g.saved:
             saved_refs[v] += 1
-        end: dict[int, int] = {}
-        saved: set[int] = set()
+        storages: dict[int, list[int]] = {}  # as ``cache_bound.plan_bound``
         for v, val in enumerate(values):
             if val.producer < 0 or kept[v] or pass_uses[v] <= 0:
                 continue
             r = self.root[v]
             if kept[r] or values[r].producer < 0:
                 continue
-            end[r] = max(end.get(r, 0), last[v] if last[v] >= 0 else val.producer)
+            entry = storages.get(r)
+            if entry is None:
+                entry = storages[r] = [values[r].producer, values[r].producer, 0]
+            entry[1] = max(entry[1], last[v] if last[v] >= 0 else val.producer)
             if saved_refs[v]:
-                saved.add(r)
-        total = sum(values[r].nbytes for r in saved)
-        spans = sum(values[r].nbytes * (e - values[r].producer) for r, e in end.items())
-        self.frontier_bytes = spans // max(len(ops), 1)
-        k = math.isqrt(total * self.frontier_bytes)
+                entry[2] = 1
+        spans = [(p, e, values[r].nbytes, saved == 1) for r, (p, e, saved) in storages.items()]
+        profile: SegmentProfile | None = SegmentProfile(len(ops), spans)
+        assert profile is not None
+        self.limit = 0
+        self.cuts: list[int] = []
+        self.undecided = False
         limit = g.cache_limit
         if limit is None:
-            first = self._first_realize_bytes(saved_refs)
-            self.limit = k if k > 0 and first >= 4 * k else 0
+            self.undecided = profile.saved_bytes > 0
         else:
             assert isinstance(limit, int)
-            self.limit = 0 if total <= limit else max(k, 1) if limit < 2 * k else limit // 2
+            if profile.saved_bytes > limit:
+                plan = profile.plan(limit)
+                self.limit, self.cuts = max(plan.peak, 1), list(plan.cuts)
+            else:
+                profile = None
+        self.profile = profile
         self.need: dict[int, int] = {}
         self.active: dict[int, None] = {}
         self.checkpoints: set[int] = set()
+        self.pinned: list[int] = []
         self.segment: list[int] = []
-        self.segment_bytes = 0
-        self.segment_roots: set[int] = set()
         self.closing = False
 
     def nbytes(self, root: int) -> int:
@@ -99,48 +111,51 @@ class Bound:
         val = self.g.values[root]
         return 0 if self.kept[root] or val.producer < 0 else val.nbytes
 
-    def frontier(self) -> int:
-        """Bytes of the storages the running realize's values still to be read hold."""
-        return sum(self.nbytes(r) for r in {self.root[a] for a in self.active})
+    def decide(self, v: int) -> bool | None:
+        """The automatic bound's decision at a realize of ``v`` (``cache_bound.decide_bound``):
+        whether the pass is bounded, ``None`` if that realize caches nothing."""
+        _, _, held = self.collect(v)
+        if held == 0:
+            return None
+        self.undecided = False
+        if held < self.g.bound_min_bytes:
+            self.profile = None
+            return False
+        assert self.profile is not None
+        plan = self.profile.plan(extra=self.step_gradient_bytes(v))
+        if not plan.cuts or held < 2 * plan.peak:
+            self.profile = None
+            return False
+        self.limit, self.cuts = max(plan.peak, 1), list(plan.cuts)
+        return True
 
-    def _first_realize_bytes(self, saved_refs: list[int]) -> int:
-        values, ops, kept = self.g.values, self.g.ops, self.kept
-        target = next((v for _, v in reversed(self.g.saved) if not kept[v]), -1)
-        if target < 0 or values[target].producer < 0:
-            return 0
-        seen = {values[target].producer}
-        stack = [values[target].producer]
-        roots: set[int] = set()
-        while stack:
-            op = ops[stack.pop()]
-            for o in op.outputs:
-                if not kept[o] and saved_refs[o]:
-                    roots.add(self.root[o])
-            for i in op.inputs:
-                if not kept[i] and values[i].producer not in seen:
-                    seen.add(values[i].producer)
-                    stack.append(values[i].producer)
-        return sum(self.nbytes(r) for r in roots)
+    def step_gradient_bytes(self, v: int) -> int:
+        """``cache_bound.step_gradient_bytes``: the outputs of the last op reading ``v``
+        and the values made before it and read after it."""
+        values, ops, view = self.g.values, self.g.ops, self.view
+        start = values[v].producer
+        step = start
+        last: dict[int, int] = {}
+        for j in range(start + 1, len(ops)):
+            for i in ops[j].inputs:
+                if values[i].producer >= 0:
+                    last[i] = j
+                    if i == v:
+                        step = j
+        total = sum(values[o].nbytes for o in ops[step].outputs if not view[o])
+        for u, end in last.items():
+            if values[u].producer < step < end and not view[u]:
+                total += values[u].nbytes
+        return total
 
     def join(self, v: int) -> None:
         """``v`` is cached for later users only: add it to the open segment
         (``cache_bound.join_segment``)."""
-        values, kept, cached = self.g.values, self.kept, self.cached
-        nbytes = values[v].nbytes
-        if self.view[v]:
-            r = self.root[v]
-            if kept[r] or values[r].producer < 0 or cached[r] or r in self.segment_roots:
-                nbytes = 0
-            else:
-                self.segment_roots.add(r)
-        if self.closing and self.segment and self.segment_bytes + nbytes > self.limit:
-            self.close()
         self.segment.append(v)
-        self.segment_bytes += nbytes
 
     def close(self) -> None:
-        """Keep the frontier cached as checkpoints, drop the open segment's values
-        (``cache_bound.close_segment``)."""
+        """Keep the frontier cached as checkpoints, pinned until the next close; drop the
+        open segment's values (``cache_bound.close_segment``)."""
         values, cached = self.g.values, self.cached
         self.checkpoints.update(self.active)
         for d in self.segment:
@@ -148,7 +163,26 @@ class Bound:
                 cached[d] = False
                 self.release(d)
                 self.owe(values[d].producer)
-        self.segment, self.segment_bytes, self.segment_roots = [], 0, set()
+        self.segment = []
+        for a in self.active:
+            self.pass_uses[a] += 1
+        self.unpin()
+        self.pinned = list(self.active)
+
+    def unpin(self) -> None:
+        """Release the pins of the last cut's checkpoints (``cache_bound.unpin``)."""
+        for a in self.pinned:
+            self.pass_uses[a] -= 1
+            if self.pass_uses[a] == 0 and self.cached[a]:
+                self.cached[a] = False
+                self.release(a)
+        self.pinned = []
+
+    def closes_between(self, after: int, before: int) -> bool:
+        """Whether a cut lies at op ``after`` or before op ``before``
+        (``cache_bound.closes_between``)."""
+        k = bisect.bisect_left(self.cuts, after)
+        return k < len(self.cuts) and self.cuts[k] < before
 
     def owe(self, j: int) -> None:
         """A cached output of op ``j`` was dropped: ``j`` runs again (``cache_bound.owe``)."""
@@ -166,12 +200,12 @@ class Bound:
                     if not cached[i]:
                         stack.append(values[i].producer)
 
-    def plan_realize(self, v: int) -> list[int]:
-        """The ops a realize of ``v`` runs, in forward order; sets up ``need``, the open
-        segment and whether it may close (``cache_bound.plan_realize``)."""
+    def collect(self, v: int) -> tuple[list[int], dict[int, int], int]:
+        """The ops a realize of ``v`` runs in forward order, their reads (``need``) and the
+        bytes it leaves cached (``cache_bound.collect_realize``)."""
         values, ops, kept = self.g.values, self.g.ops, self.kept
         pass_uses, cached = self.pass_uses, self.cached
-        need = self.need = {v: 1}
+        need = {v: 1}
         todo: set[int] = set()
         stack = [values[v].producer]
         while stack:
@@ -186,12 +220,22 @@ class Bound:
                         stack.append(values[i].producer)
         order = sorted(todo)
         held = {
-            values[o].storage
+            self.root[o]
             for j in order
             for o in ops[j].outputs
             if not kept[o] and pass_uses[o] > need.get(o, 0)
         }
-        held_bytes = sum(self.nbytes(r) for r in held)
-        self.segment, self.segment_bytes, self.segment_roots = [], 0, set()
-        self.closing = held_bytes > self.limit
+        return order, need, sum(self.nbytes(r) for r in held)
+
+    def plan_realize(self, v: int) -> list[int]:
+        """The ops a realize of ``v`` runs, in forward order; sets up ``need``, the open
+        segment, whether it may close and the tail cut (``cache_bound.plan_realize``)."""
+        order, self.need, held = self.collect(v)
+        self.segment = []
+        self.closing = held > self.limit
+        if self.closing and self.profile is not None:
+            cut = self.profile.tail_cut(self.cuts, self.g.values[v].producer)
+            self.profile = None
+            if cut is not None:
+                bisect.insort(self.cuts, cut)
         return order

@@ -77,6 +77,9 @@ class SimGraph:
         step_grad_in_bytes: gradient bytes alive while a step unpacks its saved tensors,
             before its formula allocates its inputs' gradients (rule 4); a step missing
             here counts ``step_grad_bytes``.
+        bound_min_bytes: an automatic bound (``cache_limit=None``) leaves a pass unbounded
+            when its first caching realize caches less (rule 8; the engine's
+            ``cache_bound.BOUND_MIN_BYTES``).
 
     Example:
         >>> from ckpt_graph.planner.liveness import simulate
@@ -98,6 +101,7 @@ class SimGraph:
     cache_limit: int | str | None = "unbounded"
     rng_bytes: tuple[int, ...] = ()
     step_grad_in_bytes: Mapping[int, int] = field(default_factory=dict)
+    bound_min_bytes: int = 0
 
     def saved_bytes(self) -> int:
         """Activation bytes kept without checkpointing: distinct op-made saved storages."""

@@ -24,22 +24,24 @@ from torch.utils.checkpoint import checkpoint
 import ckpt_graph as cg
 from ckpt_graph import CkptGraphError
 from ckpt_graph.compare.zoo import Workload, build_workload
-from ckpt_graph.engine import passes
+from ckpt_graph.engine import cache_bound
+from ckpt_graph.engine.segment_plan import SegmentPlan, SegmentProfile
 from ckpt_graph.memory import measure
 from ckpt_graph.planner.liveness import kept_ops_of, simulate
 
 
 @pytest.fixture
 def tiny_segments(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Bound every pass with 1-byte segments: every value that can be dropped is dropped, so
-    nearly every op runs again at least once (the harshest test of exactness)."""
-    original = passes.segment_limit
+    """Bound every pass, however small, with a cut after every third op and a 1-byte peak:
+    every realize closes segments, and values read only by unpacks, or by ops past the next
+    cut, are dropped and made again, random ops included (the harshest test of exactness; a
+    cut after every op would make nearly every value a checkpoint, read by the next op)."""
 
-    def tiny(region: cg.Region, last: dict[Any, int]) -> int:
-        original(region, last)  # sets the pass's mean frontier
-        return 1
+    def dense(self: SegmentProfile, limit: int | None = None, extra: int = 0) -> SegmentPlan:
+        return SegmentPlan(1, tuple(range(1, self.n, 3)))
 
-    monkeypatch.setattr(passes, "segment_limit", tiny)
+    monkeypatch.setattr(SegmentProfile, "plan", dense)
+    monkeypatch.setattr(cache_bound, "BOUND_MIN_BYTES", 0)
 
 
 # ----------------------------------------------------------------------------- cache_limit

@@ -1,0 +1,201 @@
+"""Where a bounded pass closes its segments: cut positions planned from the pass's values.
+
+A pure function of the pass's recomputed storages (no framework objects), shared by the
+engine (``cache_bound``) and the liveness simulator (``planner/liveness_bound.py``), so both
+bound the same pass the same way.
+
+# Note [Planned segment cuts]
+# A bounded pass (Note [Bounded recompute cache]) closes a segment after fixed op positions,
+# its *cuts*, planned when the pass starts from the storages its recomputed values use:
+# per storage, the op that makes it, the last op that will read it in the pass, its bytes and
+# whether autograd saved it (a later unpack reads it). For a cut after op ``c``:
+# - the *segment* before it holds the saved storages made since the previous cut; they are
+#   dropped when the cut closes the segment and made again when backward reaches them;
+# - the cut's *checkpoints* are the storages made since the previous cut that an op after
+#   ``c`` reads: they stay cached until that op ran again (older ones are already
+#   checkpoints of an earlier cut).
+# Backward runs the segments again from the last to the first; while segment ``j`` is cached
+# again, the checkpoints of the cuts before it are too, so the cache holds about
+# ``max_j (checkpoints of cuts 1..j-1 + segment j)``; the first realize ends with every
+# checkpoint and the last segment, the case ``j`` = last. Every op runs at most twice
+# whatever the cuts: once in the first realize, once when its segment is cached again.
+# 1. Cuts for a peak ``M``: greedily from the first op, a segment grows while its bytes fit
+#    in ``M`` less the checkpoints so far; the cut goes where it adds the fewest checkpoint
+#    bytes per byte of segment (the latest of equals): at the last block boundary that
+#    fits, where only the residual stream crosses, not inside attention or a GELU (the
+#    fewest bytes among positions holding at least half the room, used first, cut a GPT-2
+#    inside its MLPs near the end, where the room is small). ``M`` is feasible when the
+#    greedy reaches the end.
+# 2. Automatically the pass takes the least feasible ``M`` (bisection to 1/256): the least
+#    cache that two forwards allow, found on the pass's own values rather than from a mean
+#    (a mean frontier, used before, sized segments for the costlier cuts inside blocks and
+#    peaked 13% above checkpointing every block of a 24-block transformer). The first
+#    realize that closes segments ends holding every checkpoint while the gradients of its
+#    step are alive (``extra``: its reader's outputs and the values crossing it; a language
+#    model's logits): larger peaks, with fewer cuts, are tried up to no cut, and the one
+#    with the least ``max(M, checkpoints + extra)`` is taken.
+# 3. An explicit ``cache_limit`` ``L`` is ``M = L`` when feasible; otherwise the least
+#    feasible ``M`` is used and the engine warns.
+# 4. The tail cut. The first realize that closes segments runs during the backward step of
+#    its target's reader, near the end of the forward: the gradients of the region's last
+#    values are alive then (a language model's logits, its head's weight), and the last
+#    segment would stay cached with every checkpoint on top of them (a GPT with an
+#    ``nn.Linear`` head peaked above checkpointing every block, whose last block is not
+#    recomputed before the head's step ends). That realize therefore cuts once more, between
+#    the last planned cut and its target's producer, where the new checkpoints plus the
+#    saved bytes after the cut are least: the rest of the last segment is dropped and
+#    cached again when backward reaches it, with the checkpoints of rule 1 (no new peak,
+#    still at most two runs per op).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["SegmentPlan", "SegmentProfile"]
+
+_GRID = 16  # peaks tried between the least and no cut, when the first realize holds more
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """Cut positions of a bounded pass. See Note [Planned segment cuts].
+
+    Attributes:
+        peak: bytes the bounded cache is planned to hold at most (checkpoints plus one
+            segment); the total saved bytes when no cut is needed.
+        cuts: op indices after which a segment closes, ascending.
+        feasible: whether the requested peak could be met (always true automatically).
+    """
+
+    peak: int
+    cuts: tuple[int, ...]
+    feasible: bool = True
+
+
+class SegmentProfile:
+    """The recomputed storages of a pass, by op position: what planning cuts needs.
+
+    Args:
+        n: number of ops of the region.
+        storages: per recomputed storage of the pass, ``(producer, last reader, bytes,
+            saved)``: the op that makes it, the last op of the pass that reads it (the producer
+            if none), its bytes, and whether autograd saved it.
+
+    Attributes:
+        saved_bytes: bytes of the saved storages (the unbounded cache's worst case).
+
+    Example:
+        >>> chain = [(i, i + 1, 10, True) for i in range(8)]  # 8 ops, each output read next
+        >>> profile = SegmentProfile(8, chain)
+        >>> plan = profile.plan()
+        >>> plan.peak, plan.cuts, profile.saved_bytes, profile.tail_cut(plan.cuts, 7)
+        (40, (3, 6), 80, None)
+    """
+
+    def __init__(self, n: int, storages: Sequence[tuple[int, int, int, bool]]) -> None:
+        self.n = n
+        self.saved_at = saved_at = [0] * (n + 1)
+        self.born = born = [0] * (n + 1)  # bytes made at an op and read after it
+        self.ending: list[list[tuple[int, int]]] = [[] for _ in range(n + 1)]
+        for producer, last, nbytes, saved in storages:
+            if saved:
+                saved_at[producer] += nbytes
+            if last > producer:
+                born[producer] += nbytes
+                self.ending[last].append((producer, nbytes))
+        self.suffix = suffix = [0] * (n + 2)
+        for p in range(n, -1, -1):
+            suffix[p] = suffix[p + 1] + saved_at[p]
+        self.saved_bytes = suffix[0]
+
+    def plan(self, limit: int | None = None, extra: int = 0) -> SegmentPlan:
+        """Cuts for a peak of ``limit`` bytes (an explicit ``cache_limit``), or for the least
+        peak when ``None`` or infeasible; automatically, ``extra`` bytes (gradients) are
+        alive beside every checkpoint during the first closing realize. See Note [Planned
+        segment cuts], rules 1-3."""
+        if limit is not None:
+            planned = self._cuts_within(limit)
+            if planned is not None:
+                return SegmentPlan(planned[0], tuple(planned[2]))
+        lo, hi = 0, self.saved_bytes
+        best: tuple[int, int, list[int]] = (hi, 0, [])
+        while hi - lo > max(1, hi // 256):
+            mid = (lo + hi) // 2
+            planned = self._cuts_within(mid)
+            if planned is None:
+                lo = mid
+            else:
+                hi, best = mid, planned
+        if limit is None and extra > 0 and best[2]:
+            # Fewer checkpoints for a larger segment when the first realize is the peak.
+            least, top = best[0], self.saved_bytes
+            score = max(best[0], best[1] + extra)
+            for k in range(1, _GRID + 1):
+                planned = self._cuts_within(int(least * (top / least) ** (k / _GRID)))
+                if planned is not None and max(planned[0], planned[1] + extra) < score:
+                    best, score = planned, max(planned[0], planned[1] + extra)
+        return SegmentPlan(best[0], tuple(best[2]), limit is None)
+
+    def tail_cut(self, cuts: Sequence[int], target: int) -> int | None:
+        """Where the first closing realize, of a value made by op ``target``, cuts once more
+        (``None``: nowhere better than leaving the segment open). See Note [Planned segment
+        cuts], rule 4."""
+        start = 0
+        for c in cuts:
+            if c < target:
+                start = c + 1
+        born, ending, suffix = self.born, self.ending, self.suffix
+        best, best_bytes = -1, 0
+        frontier = 0
+        for p in range(start, target):
+            frontier += born[p]
+            for producer, nbytes in ending[p]:
+                if producer >= start:
+                    frontier -= nbytes
+            held = frontier + suffix[p + 1] - suffix[target + 1]
+            if best < 0 or held <= best_bytes:
+                best, best_bytes = p, held
+        open_bytes = suffix[start] - suffix[target + 1]  # the segment, left open
+        return best if best >= 0 and best_bytes < open_bytes else None
+
+    def _cuts_within(self, peak: int) -> tuple[int, int, list[int]] | None:
+        """Greedy cuts keeping checkpoints plus each segment within ``peak`` bytes (rule 1):
+        the peak reached, the checkpoint bytes of all cuts and the cuts, or ``None`` if it
+        cannot."""
+        n, saved_at, born, ending, suffix = (
+            self.n,
+            self.saved_at,
+            self.born,
+            self.ending,
+            self.suffix,
+        )
+        cuts: list[int] = []
+        kept = 0  # checkpoint bytes of the cuts so far
+        start = 0
+        reached = 0
+        while True:
+            room = peak - kept
+            if suffix[start] <= room:
+                return max(reached, kept + suffix[start]), kept, cuts
+            seg = frontier = 0
+            best = -1
+            best_frontier = best_seg = 0
+            for p in range(start, n):
+                seg += saved_at[p]
+                if seg > room:
+                    break
+                frontier += born[p]
+                for producer, nbytes in ending[p]:
+                    if producer >= start:
+                        frontier -= nbytes
+                # checkpoint bytes per byte of segment: the least, the latest of equals
+                if seg > 0 and (best < 0 or frontier * best_seg <= best_frontier * seg):
+                    best, best_frontier, best_seg = p, frontier, seg
+            if best < 0:
+                return None
+            reached = max(reached, kept + best_seg)
+            kept += best_frontier
+            cuts.append(best)
+            start = best + 1
