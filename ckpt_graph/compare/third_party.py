@@ -182,12 +182,14 @@ SPECS: dict[str, Spec] = {
 def estimate_bytes(name: str, layers: int, width: int, batch: int, seq_len: int) -> int:
     """Rough upper estimate of one step's memory without checkpointing, in bytes (fp32)."""
     spec = SPECS[name]
-    if spec.sizes.endswith(_IMAGE):  # activations: per image, channels x pixels x ops
+    if name == "hf-vit":  # a transformer over 4 x 4 patches: its tokens are the patches
+        seq_len = (seq_len // 4) ** 2
+    elif spec.sizes.endswith(_IMAGE):  # activations: per image, channels x pixels x ops
         params = 64 * max(layers, 8) * (8 * width) ** 2
         acts = 64 * batch * width * seq_len * seq_len * max(layers, 4)
-    else:
-        params = 12 * layers * width * width * 4 + 2048 * width
-        acts = 48 * layers * batch * seq_len * width + 3 * batch * seq_len * 2048
+        return 4 * (3 * params + acts)
+    params = 12 * layers * width * width * 4 + 2048 * width
+    acts = 48 * layers * batch * seq_len * width + 3 * batch * seq_len * 2048
     return 4 * (3 * params + acts)
 
 
