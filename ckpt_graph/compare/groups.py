@@ -22,7 +22,7 @@ from torch import nn
 
 from ckpt_graph._errors import CkptGraphValueError
 
-__all__ = ["chain_groups", "group_forwards"]
+__all__ = ["chain_groups", "first_tensor", "group_forwards"]
 
 # Note [Block chains]
 # A model written as ``for block in blocks: h = block(h, **shared)`` lets torch-sqrt run blocks
@@ -49,7 +49,8 @@ __all__ = ["chain_groups", "group_forwards"]
 # once its last block ran, so no activation outlives the model's own references.
 
 
-def _first_tensor(out: object) -> torch.Tensor | None:
+def first_tensor(out: object) -> torch.Tensor | None:
+    """A block's output tensor: itself, or the first item of a tuple or list (HF layers)."""
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
@@ -103,7 +104,7 @@ def _probe(
 
     def post(i: int) -> Callable[..., None]:
         def hook(mod: nn.Module, args: Any, kwargs: Any, out: object) -> None:
-            calls[i][-1].out = _first_tensor(out)
+            calls[i][-1].out = first_tensor(out)
             calls[i][-1].rng_after = torch.get_rng_state()
 
         return hook
@@ -187,7 +188,7 @@ def group_forwards(
             def run_group(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
                 outs = [own[0](*args, **kwargs)]
                 for fwd in own[1:]:
-                    outs.append(fwd(_first_tensor(outs[-1]), *args[1:], **kwargs))
+                    outs.append(fwd(first_tensor(outs[-1]), *args[1:], **kwargs))
                 return tuple(outs)
 
             def start(*args: Any, **kwargs: Any) -> object:
@@ -203,7 +204,7 @@ def group_forwards(
 
             def follow(*args: Any, **kwargs: Any) -> object:
                 outs = pending.pop(head, None) if last else pending.get(head)
-                if outs is None or not args or args[0] is not _first_tensor(outs[pos - 1]):
+                if outs is None or not args or args[0] is not first_tensor(outs[pos - 1]):
                     raise CkptGraphValueError(
                         f"ckpt_graph: torch-sqrt: block {i} was not called with the output of "
                         f"block {i - 1} (group {first_of[head]}); the model's forward changed "

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import (
 )
 
 from ckpt_graph._errors import CkptGraphValueError
-from ckpt_graph.compare.groups import chain_groups, group_forwards
+from ckpt_graph.compare.groups import chain_groups, first_tensor, group_forwards
 from ckpt_graph.compare.zoo import Workload
 from ckpt_graph.engine.decisions import normalize_policy
 
@@ -121,14 +121,6 @@ def _sqrt_k(n: int) -> int:
     return max(1, round(math.sqrt(n)))
 
 
-def _first_tensor(out: object) -> torch.Tensor | None:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    return None
-
-
 def _packet(op: object) -> object:
     return getattr(op, "_overloadpacket", op)
 
@@ -217,7 +209,7 @@ def make_forward(
 
             def fwd(*args: object, **kwargs: object) -> object:
                 out = f(*args, **kwargs)
-                h = _first_tensor(out)
+                h = first_tensor(out)
                 if h is not None:
                     cg.tag_with_policy(h, True)
                 return out
@@ -228,7 +220,7 @@ def make_forward(
             with _patched_forwards(blocks, tag_wrap), cg.save_recompute_policy(policy=policy):
                 out = model(*inputs)
                 if k:  # the head's output too, as torch-sqrt keeps it (same segmentation)
-                    h = _first_tensor(out)
+                    h = first_tensor(out)
                     if h is not None:
                         cg.tag_with_policy(h, True)
                 return out
