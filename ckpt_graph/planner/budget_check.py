@@ -103,6 +103,12 @@ class BudgetCheck:
 
     def note_region(self, region: Region) -> None:
         """At a region's exit: its device and the parameters (leaves needing a gradient)."""
+        # Bookkeeping, not the program: user modes (a DebugMode that prints every storage it
+        # sees) must not see these tensor calls. See Note [Tools outside a region].
+        with torch._C.DisableTorchFunction():
+            self._note_inputs(region)
+
+    def _note_inputs(self, region: Region) -> None:
         for h in region.inputs:
             t = h.ref() if h.ref is not None else None
             if t is None:

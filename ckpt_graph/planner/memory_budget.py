@@ -227,7 +227,8 @@ class MemoryBudget:
         if run.depth > 0:
             return
         del self._runs[id(region)]
-        self._check.note_region(region)
+        if self.check:  # only the measured check's breakdown needs the parameters
+            self._check.note_region(region)
         if len(region._saved_handles) == run.saved_at_enter:  # saved nothing: not planned (rule 7)
             self._step = [r for r in self._step if r() is not region]
             return
