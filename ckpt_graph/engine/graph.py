@@ -102,6 +102,9 @@ class Handle:
         ref: weak reference to the forward tensor, for version checks.
         value: the kept tensor, or ``None`` when the value is recomputed.
         reason: why the value is kept, a :class:`KeptReason` (``None`` when recomputed).
+        copied: ``value`` is an exact copy taken before a write (``hold_copy``), with a
+            version counter of its own that no later write moves, not an alias of the
+            forward tensor (see Note [Version checks through a copied base]).
         offload_device: original device of a value kept in host memory, else ``None``.
         shape, dtype, nbytes: metadata of the value; stride and device are filled in
             when autograd saves it (the fake implementation of ``ckpt_graph::unpack``).
@@ -147,6 +150,7 @@ class Handle:
         "base",
         "base_writes",
         "cache",
+        "copied",
         "device",
         "dtype",
         "forward_uses",
@@ -191,6 +195,7 @@ class Handle:
         self.nbytes: int = t.nbytes
         self.value: torch.Tensor | None = None
         self.reason: KeptReason | None = None
+        self.copied = False
         self.offload_device: torch.device | None = None
         self.stride: tuple[int, ...] | None = None  # set when autograd saves the value
         self.device: torch.device | None = None  # likewise
@@ -220,11 +225,13 @@ class Handle:
         """Hold ``t`` as this handle's value for the backward."""
         self.value = t
         self.reason = reason
+        self.copied = False
 
     def drop(self) -> None:
         """Stop holding the value: it will be recomputed."""
         self.value = None
         self.reason = None
+        self.copied = False
 
     def __repr__(self) -> str:
         where = "input" if self.node_index < 0 else f"op {self.node_index}[{self.output_index}]"

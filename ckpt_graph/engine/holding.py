@@ -99,6 +99,7 @@ def hold_copy(region: Region, h: Handle, copy: torch.Tensor, held: bool = False)
     """Keep ``copy`` instead of the alias ``h`` held, before a write changes the alias;
     ``held``: another kept value still holds the written storage. See Note [Holding values]."""
     h.value = copy
+    h.copied = True  # See Note [Version checks through a copied base].
     if h.node_index < 0 or h.is_view or held:
         region.kept_bytes += copy.untyped_storage().nbytes()
     if region._by_storage is not None:

@@ -260,6 +260,7 @@ def _hold_inputs(region: Region, node: OpNode) -> None:
             t = _forward_tensor(h)
             if t is not None:
                 h.value = detached(region, t)
+                h.copied = False
 
 
 def _changed(h: Handle) -> bool:

@@ -236,6 +236,7 @@ class Region:
                 if h.value is not None and h.offload_device is None:
                     # A view got its base's version counter only now: alias it again.
                     h.value = detached(self, t)
+                    h.copied = False
         self._unsettled.clear()
 
     def lookup(self, t: torch.Tensor) -> Handle | None:

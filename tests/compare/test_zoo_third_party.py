@@ -129,12 +129,6 @@ def test_missing_library_is_a_workload_error(monkeypatch: pytest.MonkeyPatch) ->
         build_workload("diffusers-unet", **TINY["diffusers-unet"])  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=cg.CkptGraphError,
-    reason="engine: memory_budget(1.0) keeps the int64 output of Mixtral's routing index_put_ "
-    "and then reports a false version-counter error (found by bench_zoo)",
-)
 def test_mixtral_memory_budget_keeping_everything() -> None:
     from ckpt_graph.policies import memory_budget
 
