@@ -211,7 +211,10 @@ def test_trainer_run_says_in_transformers_log_what_checkpoints(
         extra["activation_checkpointing"] = True
     else:
         callbacks.append(cg_hf.CheckpointCallback(policy="must_save_all"))
-    transformers_root = logging.getLogger("transformers")  # does not propagate to the root
+    transformers_root = logging.getLogger("transformers")
+    # transformers' root does not propagate by default, but an earlier test may have turned
+    # propagation on: then caplog's root handler saw each line twice
+    propagate, transformers_root.propagate = transformers_root.propagate, False
     transformers_root.addHandler(caplog.handler)
     try:
         args = transformers.TrainingArguments(
@@ -224,6 +227,7 @@ def test_trainer_run_says_in_transformers_log_what_checkpoints(
         trainer.train()
     finally:
         transformers_root.removeHandler(caplog.handler)
+        transformers_root.propagate = propagate
     line = (
         "ckpt_graph: transformers: GPT2LMHeadModel: 2 modules (GPT2Block x2) checkpoint "
         "through ckpt_graph regions (policy='must_save_all')"
