@@ -533,3 +533,15 @@ def make_model(
 
 
 ZOO = ("mlp", "cnn", "transformer")
+
+
+class RegionSpy:
+    """A policy that records the regions it is asked in (and recomputes everything)."""
+
+    def __init__(self) -> None:
+        self.regions: list[Any] = []
+
+    def __call__(self, ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+        if ctx.region not in self.regions:
+            self.regions.append(ctx.region)
+        return False

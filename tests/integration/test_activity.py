@@ -6,14 +6,13 @@ See Note [Integrations say when they are active] in ckpt_graph/integrations/acti
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import pytest
 import torch
 import torch.utils.checkpoint as tc
+from models import RegionSpy
 
 import ckpt_graph as cg
-from ckpt_graph.engine.region import Region
 
 
 class _Block(torch.nn.Module):
@@ -38,16 +37,6 @@ class _Net(torch.nn.Module):
         return self.extra[0](x)
 
 
-class _Spy:
-    def __init__(self) -> None:
-        self.regions: list[Region] = []
-
-    def __call__(self, ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
-        if ctx.region not in self.regions:
-            self.regions.append(ctx.region)
-        return False
-
-
 def _messages(caplog: pytest.LogCaptureFixture, name: str = "ckpt_graph") -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == name and r.levelno == logging.INFO]
 
@@ -56,7 +45,7 @@ def test_wrap_logs_what_it_installed_and_regions_say_who_opened_them(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     model = _Net()
-    spy = _Spy()
+    spy = RegionSpy()
     with caplog.at_level(logging.INFO, logger="ckpt_graph"):
         cg.wrap(model, policy=spy)
     assert _messages(caplog) == [
@@ -113,7 +102,7 @@ def test_hf_enable_check_and_regions_say_it(caplog: pytest.LogCaptureFixture) ->
     from .hf_models import batch, build, loss
 
     model = build("gpt2", layers=2)
-    spy = _Spy()
+    spy = RegionSpy()
     with caplog.at_level(logging.INFO, logger="ckpt_graph"):
         assert cg_hf.check(model)
         cg_hf.enable(model, policy=spy)

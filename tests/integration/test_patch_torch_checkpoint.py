@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.checkpoint as tc
+from models import RegionSpy
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
@@ -61,22 +62,12 @@ def _same(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-class _Spy:
-    """A policy that records the regions it is asked in (and recomputes everything)."""
-
-    def __init__(self) -> None:
-        self.regions: list[Region] = []
-
-    def __call__(self, ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
-        if ctx.region not in self.regions:
-            self.regions.append(ctx.region)
-        return False
-
-
 # --- item 5: the function's own `policy=` keyword ----------------------------------------
 
 
-@pytest.mark.parametrize("value", [2.0, "must_save_all", _Spy()], ids=["float", "name", "callable"])
+@pytest.mark.parametrize(
+    "value", [2.0, "must_save_all", RegionSpy()], ids=["float", "name", "callable"]
+)
 def test_policy_keyword_reaches_the_function(value: Any) -> None:
     received: list[Any] = []
 
@@ -85,12 +76,12 @@ def test_policy_keyword_reaches_the_function(value: Any) -> None:
         return _eager(x, w) * 3.0
 
     expected = _grads(lambda x, w: _eager(x, w) * 3.0)
-    block_policy = _Spy()
+    block_policy = RegionSpy()
     with cg.patch_torch_checkpoint(policy=block_policy) as patch:
         got = _grads(lambda x, w: tc.checkpoint(fn, x, w, policy=value, use_reentrant=False))
     assert received == [value]
     assert patch.calls == 1 and len(block_policy.regions) == 1  # the region's policy: the block's
-    if isinstance(value, _Spy):
+    if isinstance(value, RegionSpy):
         assert value.regions == []
     _same(got, expected)
 
@@ -100,7 +91,7 @@ def test_policy_keyword_reaches_the_function(value: Any) -> None:
 
 def test_blocks_in_two_threads_leave_in_any_order_and_restore() -> None:
     internals = (tc._checkpoint_without_reentrant_generator, tc.CheckpointFunction)
-    a, b = cg.patch_torch_checkpoint(_Spy()), cg.patch_torch_checkpoint(_Spy())
+    a, b = cg.patch_torch_checkpoint(RegionSpy()), cg.patch_torch_checkpoint(RegionSpy())
     steps = [threading.Event() for _ in range(4)]
     errors: list[BaseException] = []
     results: dict[str, list[torch.Tensor]] = {}
@@ -135,7 +126,7 @@ def test_blocks_in_two_threads_leave_in_any_order_and_restore() -> None:
 
 
 def test_a_thread_follows_its_own_block_else_the_last_entered() -> None:
-    mine, other = _Spy(), _Spy()
+    mine, other = RegionSpy(), RegionSpy()
     entered, release = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -170,7 +161,7 @@ def test_backward_after_the_block_under_a_torch_checkpoint_bound_before() -> Non
         return tc.checkpoint(_inner, h.cos(), w, use_reentrant=False).tanh()
 
     expected = _grads(_eager)
-    spy = _Spy()
+    spy = RegionSpy()
     with cg.patch_torch_checkpoint(spy):
         y = checkpoint_bound_at_import(outer, x, use_reentrant=False)
     y.sum().backward()  # torch replays nothing: both calls ran in regions
@@ -202,7 +193,7 @@ def test_replay_after_the_block_takes_the_forwards_decisions() -> None:
     # block) runs in a region. O is replayed in backward after the block has left: its
     # inner call must run in a region again, or torch sees different saved tensors.
     expected = _grads(lambda x, w: _eager_middle(x, w).exp())
-    spy = _Spy()
+    spy = RegionSpy()
 
     def u(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         with cg.patch_torch_checkpoint(spy):
@@ -222,7 +213,7 @@ def test_replay_after_the_block_takes_the_forwards_decisions() -> None:
 
 def test_reentrant_call_runs_in_a_region_and_kwargs_still_raise_as_torch() -> None:
     expected = _grads(_eager)
-    spy = _Spy()
+    spy = RegionSpy()
     with cg.patch_torch_checkpoint(spy):
         got = _grads(lambda x, w: tc.checkpoint(_eager, x, w, use_reentrant=True))
         with pytest.raises(ValueError, match="Unexpected keyword arguments: scale"):
@@ -241,7 +232,7 @@ def test_no_grad_call_opens_no_region() -> None:
 def test_sac_context_fn_becomes_the_inner_policy_and_others_stay_torchs() -> None:
     expected = _grads(_eager)
     sac = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
-    spy = _Spy()
+    spy = RegionSpy()
     with cg.patch_torch_checkpoint(spy) as patch:
         got = _grads(lambda x, w: tc.checkpoint(_eager, x, w, use_reentrant=False, context_fn=sac))
         assert patch.calls == 1
@@ -331,7 +322,7 @@ def _composable(block: torch.nn.Module) -> torch.nn.Module:
 def test_torch_wrappers_bound_at_import_are_routed(wrapper: Any) -> None:
     expected = _model_grads(_blocks(None))
     model = _blocks(wrapper)  # built before the block: the partial is bound already
-    spy = _Spy()
+    spy = RegionSpy()
     with cg.patch_torch_checkpoint(spy) as patch:
         got = _model_grads(model)
     assert patch.calls == 3 and len(spy.regions) == 3
@@ -352,7 +343,7 @@ def test_transformers_gradient_checkpointing_is_routed() -> None:
         expected = grads(build(kind, layers=2), batch())
         model = build(kind, layers=2)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
-        spy = _Spy()
+        spy = RegionSpy()
         with cg.patch_torch_checkpoint(spy) as patch:
             got = grads(model, batch())
         assert patch.calls == 2 and len(spy.regions) == 2, kind
