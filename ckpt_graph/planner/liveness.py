@@ -112,8 +112,9 @@ from collections.abc import Iterable
 from ckpt_graph.planner.costs import from_region, kept_ops_of
 from ckpt_graph.planner.liveness_bound import Bound
 from ckpt_graph.planner.liveness_transient import mark_transient
+from ckpt_graph.planner.records import Workspace
 from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimResult, SimValue
-from ckpt_graph.planner.workspaces import Workspace, measure_workspaces
+from ckpt_graph.planner.workspaces import measure_workspaces
 
 __all__ = [
     "SimGraph",
