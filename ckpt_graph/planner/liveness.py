@@ -109,7 +109,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ckpt_graph.planner.costs import from_region, kept_ops_of
+from ckpt_graph.planner.from_region import from_region, kept_ops_of
 from ckpt_graph.planner.liveness_bound import Bound
 from ckpt_graph.planner.liveness_transient import mark_transient
 from ckpt_graph.planner.records import Workspace

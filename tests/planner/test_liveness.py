@@ -16,7 +16,7 @@ from ckpt_graph.compare.architectures import GPT
 from ckpt_graph.compare.zoo import build_workload
 from ckpt_graph.memory import measure, measure_with_result
 from ckpt_graph.planner import workspaces as _liveness_workspaces
-from ckpt_graph.planner.costs import grad_bytes
+from ckpt_graph.planner.from_region import grad_bytes
 from ckpt_graph.planner.liveness import (
     SimGraph,
     SimOp,
