@@ -238,7 +238,7 @@ class Run:
     grown: bool = False
     depth: int = 1
     signature: list[Signature] = field(default_factory=list)
-    lag: int = 0  # positions before it are filtered by ``budget_sizes.match``
+    lag: int = 0  # positions before it are filtered by ``across_sizes.match``
     answers: dict[int, bool] = field(default_factory=dict)
     heuristic: bool = False
     diverged_at: int = -1

@@ -1,6 +1,6 @@
 """memory_budget with changing shapes: plans apply across sizes (issue 14 item 14).
 
-See Note [Plans across sizes] in ckpt_graph/planner/budget_sizes.py. The step-time ratio is
+See Note [Plans across sizes] in ckpt_graph/planner/across_sizes.py. The step-time ratio is
 measured in benchmarks/bench_budget_shapes.py, not here. Int budgets here bound the simulated
 peak (``check=False``): the measured check of Note [Measured budget check] would plan once more.
 """
