@@ -20,7 +20,8 @@ from ckpt_graph.compare.architectures import GPT
 from ckpt_graph.memory import measure
 from ckpt_graph.planner import local_search, menus, seeds
 from ckpt_graph.planner import memory_budget as memory_budget_module
-from ckpt_graph.planner.liveness import from_region, kept_ops_of, simulate
+from ckpt_graph.planner.from_region import from_region, kept_ops_of
+from ckpt_graph.planner.liveness import simulate
 from ckpt_graph.planner.local_search import Refinement
 from ckpt_graph.planner.memory_budget import MemoryBudget, StepPlan, memory_budget
 from ckpt_graph.planner.solve import solve_from
