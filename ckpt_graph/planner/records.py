@@ -55,7 +55,8 @@ class KeptTensor:
 
 @dataclass(frozen=True)
 class PlanReport:
-    """A plan of :func:`memory_budget` and what the simulator predicts for it.
+    """A plan of :func:`~ckpt_graph.planner.memory_budget.memory_budget` and what the
+    simulator predicts for it.
 
     Attributes:
         ordinal: the region's position within a step (see Note [Memory budget policy]).
@@ -105,8 +106,8 @@ class Solution:
     """A plan: the kept candidate ops and what the simulator predicts for them.
 
     ``method`` names the starting plan the local search improved (one of
-    :data:`~ckpt_graph.planner.solve.SEEDS`, ``"hand: <name>"`` for a hand plan of Note [Hand
-    seeds], or "all" when keeping every candidate fits).
+    :data:`~ckpt_graph.planner.solve.SEEDS`, ``"hand: <name>"`` for a hand plan of
+    Note [Hand seeds], or "all" when keeping every candidate fits).
     """
 
     kept_ops: frozenset[int]
@@ -258,9 +259,10 @@ class Workspace(NamedTuple):
         backward: allocated by its backward formula (beyond the input gradients).
         recompute: allocated when it runs again in backward (beyond its outputs).
         output_saves: how many of the tensors its autograd node saves are its own outputs
-            (-1 if unknown); tells which step a save belongs to (rule 1).
+            (-1 if unknown); tells which step a save belongs to (Note [Backward liveness
+            model] rule 1).
         input_grads: bytes of input gradients its backward formula allocates (-1 if not
-            measured); 0 means it passes its output's gradient on (rule 4).
+            measured); 0 means it passes its output's gradient on (rule 4 of that Note).
     """
 
     backward: int
