@@ -35,7 +35,8 @@ from ckpt_graph.engine import realize
 from ckpt_graph.memory import measure
 from ckpt_graph.planner import memory_budget as budget_mod
 from ckpt_graph.planner.cost_model import calibrated_flops_per_byte, op_cost
-from ckpt_graph.planner.liveness import from_region, kept_ops_of, simulate
+from ckpt_graph.planner.from_region import from_region, kept_ops_of
+from ckpt_graph.planner.liveness import simulate
 from ckpt_graph.planner.memory_budget import memory_budget
 
 LAYERS, WIDTH, HEADS, SEQ, BATCH, VOCAB = 12, 64, 4, 64, 8, 256

@@ -7,7 +7,7 @@ seen before, their ratio and the worst ratio. A step's time includes the plannin
 (``policy.report()`` at its end plans it, instead of the next step's start). With an int
 budget, an unseen size above the planned one (56 here) is planned again, starting from the
 smaller size's plan: see Note [Plans across sizes] and Note [Warm start at a new size] in
-``ckpt_graph/planner/budget_sizes.py``. "plans made" counts the regions recorded for a new
+``ckpt_graph/planner/across_sizes.py``. "plans made" counts the regions recorded for a new
 plan.
 
 Measured (2-core shared machine, one thread): fractions 0.9-1.3x; the int budget's step at a

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ckpt_graph.memory import StepProbe
-from ckpt_graph.planner.plans import Seen
+from ckpt_graph.planner.records import Seen
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region

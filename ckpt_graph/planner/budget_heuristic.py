@@ -1,54 +1,25 @@
 """The online heuristic of ``memory_budget``: decide each op as it is recorded, no plan.
 
-See rule 5 of Note [Memory budget policy]; a block's state (``Run``) also holds what plan
+See rule 5 of Note [Memory budget policy]; a block's state (``records.Run``) also holds what plan
 matching (Note [Plans across sizes]) and planning read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckpt_graph.planner.plans import Plan, Signature
+from ckpt_graph.planner.records import Run
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
 
-__all__ = ["Run", "aliases", "count_saved", "heuristic", "tensors", "views_of_kept"]
+__all__ = ["aliases", "count_saved", "heuristic", "tensors", "views_of_kept"]
 
 _CHAIN_OPS = 200
 _CHEAP = 0.9
 _SEGMENT = 0.3
-
-
-@dataclass
-class Run:
-    """State of one open block of the policy in one region."""
-
-    start: int
-    ordinal: int
-    kept_at_enter: int
-    plans: list[Plan]
-    inputs_at_enter: int = 0
-    saved_at_enter: int = 0  # the region's saved tensors when the block opened
-    exact: list[Plan] = field(default_factory=list)  # See Note [Plans across sizes].
-    elements: int = 0
-    grown: bool = False
-    depth: int = 1
-    signature: list[Signature] = field(default_factory=list)
-    lag: int = 0  # positions before it are filtered by ``budget_sizes.match``
-    answers: dict[int, bool] = field(default_factory=dict)
-    heuristic: bool = False
-    diverged_at: int = -1
-    saved_seen: int = 0
-    saved_bytes: int = 0
-    chain: dict[int, frozenset[int]] = field(default_factory=dict)
-    own: dict[int, int] = field(default_factory=dict)
-    longest: int = 0
-    seen: set[int] = field(default_factory=set)
-    positions: dict[int, int] = field(default_factory=dict)
 
 
 def heuristic(

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ckpt_graph.planner.solve import PlanReport
+from ckpt_graph.planner.records import PlanReport
 
 if TYPE_CHECKING:
-    from ckpt_graph.planner.plans import StepPlan
+    from ckpt_graph.planner.records import StepPlan
 
 __all__ = ["BudgetReport", "step_table"]
 

@@ -6,8 +6,8 @@ set of kept op outputs: the order in which autograd unpacks saved tensors, the u
 pending use, transient values (Note [Transient values]), kept values released as autograd
 frees saved tensors (Note [Releasing kept values]), the gradient buffers alive at each step
 and the temporaries of op formulas. It works on a small framework-free graph
-(:class:`SimGraph`) so planners can be tested on synthetic graphs; :func:`from_region`
-builds one from a recorded region.
+(:class:`SimGraph`) so planners can be tested on synthetic graphs;
+``from_region.from_region`` builds one from a recorded region.
 
 # Note [Backward liveness model]
 # 1. Unpack order. Saved tensors are grouped into backward *steps*: the op node whose
@@ -109,21 +109,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ckpt_graph.planner.costs import from_region, kept_ops_of
 from ckpt_graph.planner.liveness_bound import Bound
 from ckpt_graph.planner.liveness_transient import mark_transient
 from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimResult, SimValue
-from ckpt_graph.planner.workspaces import Workspace, measure_workspaces
 
 __all__ = [
     "SimGraph",
     "SimOp",
     "SimResult",
     "SimValue",
-    "Workspace",
-    "from_region",
-    "kept_ops_of",
-    "measure_workspaces",
     "simulate",
 ]
 

@@ -94,10 +94,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphValueError
-from ckpt_graph.planner.budget_check import BudgetCheck
-from ckpt_graph.planner.budget_heuristic import Run, count_saved, heuristic, views_of_kept
-from ckpt_graph.planner.budget_report import BudgetReport
-from ckpt_graph.planner.budget_sizes import (
+from ckpt_graph.planner.across_sizes import (
     catch_up,
     cheap_start,
     follow,
@@ -105,20 +102,26 @@ from ckpt_graph.planner.budget_sizes import (
     op_shapes,
     scaled,
 )
+from ckpt_graph.planner.budget_check import BudgetCheck
+from ckpt_graph.planner.budget_heuristic import count_saved, heuristic, views_of_kept
+from ckpt_graph.planner.budget_report import BudgetReport
 from ckpt_graph.planner.cost_model import machine_flops_per_byte, parse_budget, recorded_costs
 from ckpt_graph.planner.local_search import Refinement
 from ckpt_graph.planner.menus import warm_kept
-from ckpt_graph.planner.plans import (
+from ckpt_graph.planner.plans import make_plan
+from ckpt_graph.planner.records import (
+    KeptTensor,
     Option,
     Plan,
+    PlanReport,
     RegionGraph,
+    Run,
     Seen,
     Signature,
     StepPlan,
-    make_plan,
 )
 from ckpt_graph.planner.region_graph import input_bytes, region_graph
-from ckpt_graph.planner.solve import KeptTensor, PlanReport, solve, solve_from
+from ckpt_graph.planner.solve import solve, solve_from
 from ckpt_graph.planner.step_budget import plan_jointly, step_budget_bytes
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ckpt_graph.planner.forward_memory import forward_peak, prune
 from ckpt_graph.planner.liveness import SimGraph, SimResult, simulate
-from ckpt_graph.planner.plans import Option, RegionGraph
+from ckpt_graph.planner.records import Option, RegionGraph
 from ckpt_graph.planner.solve import solve
 
 __all__ = ["everything", "menu", "menu_entry", "undominated", "warm_kept", "warm_menu"]

@@ -10,15 +10,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ckpt_graph.engine.holding import without_history
+from ckpt_graph.planner.from_region import from_region
 from ckpt_graph.planner.hand_seeds import block_ids, hand_seeds
-from ckpt_graph.planner.liveness import from_region, simulate
-from ckpt_graph.planner.plans import RegionGraph
+from ckpt_graph.planner.liveness import simulate
+from ckpt_graph.planner.records import RegionGraph
 from ckpt_graph.planner.sim_graph import SimGraph
 from ckpt_graph.planner.solve import candidate_ops
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
-    from ckpt_graph.planner.budget_heuristic import Run
+    from ckpt_graph.planner.records import Run
 
 __all__ = ["fixed_before", "input_bytes", "region_graph"]
 

@@ -3,7 +3,7 @@
 Both work on the simulator's graph (``liveness.SimGraph``) and return candidate plans (sets
 of kept ops); neither checks the budget itself: ``solve.solve`` simulates every seed,
 repairs the ones that do not fit and runs its local search from the cheapest.
-See Note [Memory budget planning]. Also: candidate_ops, Solution, brute_force.
+See Note [Memory budget planning]. Also: candidate_ops, brute_force.
 
 # Note [Min-cut and segment DP seeds]
 # 1. Recompute model shared by both. An op runs in backward iff one of its outputs is not
@@ -47,12 +47,11 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
-from ckpt_graph.planner.liveness import SimGraph, SimResult, simulate
+from ckpt_graph.planner.liveness import SimGraph, simulate
+from ckpt_graph.planner.records import Solution
 
 __all__ = [
-    "Solution",
     "brute_force",
     "candidate_ops",
     "mincut_plan",
@@ -60,21 +59,6 @@ __all__ = [
     "segment_dp",
     "segment_dp_sweep",
 ]
-
-
-@dataclass(frozen=True)
-class Solution:
-    """A plan: the kept candidate ops and what the simulator predicts for them.
-
-    ``method`` names the starting plan the local search improved (one of :data:`SEEDS`,
-    ``"hand: <name>"`` for a hand plan of Note [Hand seeds], or "all" when keeping every
-    candidate fits).
-    """
-
-    kept_ops: frozenset[int]
-    result: SimResult
-    feasible: bool
-    method: str = ""
 
 
 _INF = float("inf")

@@ -1,7 +1,7 @@
 """The simulator's graph: values, ops and saved tensors of a region, without framework
 objects, and the result of one simulated pass (see Note [Backward liveness model] in
 ``liveness.py``). Planners and their tests build these directly or with
-``costs.from_region``.
+``from_region.from_region``.
 """
 
 from __future__ import annotations

@@ -108,13 +108,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
 from ckpt_graph.planner.liveness import SimGraph, SimResult
 from ckpt_graph.planner.local_search import SIM_GUIDED, Refinement, Search
 from ckpt_graph.planner.milp import milp_plan
+from ckpt_graph.planner.records import Solution
 from ckpt_graph.planner.seeds import (
-    Solution,
     brute_force,
     candidate_ops,
     mincut_sweep,
@@ -123,9 +122,6 @@ from ckpt_graph.planner.seeds import (
 
 __all__ = [
     "SEEDS",
-    "KeptTensor",
-    "PlanReport",
-    "Solution",
     "brute_force",
     "candidate_ops",
     "search_evals",
@@ -147,62 +143,6 @@ _MILP_SECONDS = 5.0
 # The local search's evaluations: _SEARCH_WORK op visits, at least _MIN_EVALS (search_evals).
 _MIN_EVALS = 1000
 _SEARCH_WORK = 360_000
-
-
-@dataclass(frozen=True)
-class KeptTensor:
-    """One op whose outputs a plan keeps: position in the region, op name, bytes."""
-
-    op_index: int
-    op: str
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class PlanReport:
-    """A plan of :func:`memory_budget` and what the simulator predicts for it.
-
-    Attributes:
-        ordinal: the region's position within a step (see Note [Memory budget policy]).
-        budget_bytes: the budget in bytes.
-        baseline_bytes: activation bytes autograd would keep without checkpointing.
-        kept: the kept ops (region op index, op name, bytes of their outputs).
-        predicted_peak_bytes: simulated activation peak of backward.
-        predicted_total_peak_bytes: the same plus gradient buffers.
-        predicted_recompute_flops: summed cost of the ops backward recomputes.
-        recomputed_ops: how many ops backward recomputes.
-        feasible: whether the plan fits the budget (else: the lowest peak found).
-        candidates: ops the planner could decide.
-        reuses: regions that ran with this plan after it was made.
-        method: the starting plan the solver's local search improved (see :class:`Solution`).
-    """
-
-    ordinal: int
-    budget_bytes: int
-    baseline_bytes: int
-    kept: tuple[KeptTensor, ...]
-    predicted_peak_bytes: int
-    predicted_total_peak_bytes: int
-    predicted_recompute_flops: int
-    recomputed_ops: int
-    feasible: bool
-    candidates: int
-    reuses: int = 0
-    method: str = ""
-
-    def __str__(self) -> str:
-        mib = 2.0**20
-        lines = [
-            f"memory_budget plan (region #{self.ordinal}): budget {self.budget_bytes / mib:.3f} "
-            f"MiB of {self.baseline_bytes / mib:.3f} MiB, predicted peak "
-            f"{self.predicted_peak_bytes / mib:.3f} MiB"
-            f"{'' if self.feasible else ' (does not fit)'}, recompute "
-            f"{self.predicted_recompute_flops:,} FLOPs in {self.recomputed_ops} ops"
-            + (f" (from the {self.method} plan)" if self.method else ""),
-            f"  {'op':>6}  {'name':<40} {'bytes':>12}",
-        ]
-        lines += [f"  {k.op_index:>6}  {k.op:<40} {k.nbytes:>12,d}" for k in self.kept]
-        return "\n".join(lines)
 
 
 def solve(

@@ -61,7 +61,8 @@ from __future__ import annotations
 import math
 
 from ckpt_graph.planner.menus import everything, menu, warm_menu
-from ckpt_graph.planner.plans import Option, Plan, Seen, StepPlan, make_plan
+from ckpt_graph.planner.plans import make_plan
+from ckpt_graph.planner.records import Option, Plan, Seen, StepPlan
 
 __all__ = ["choose", "plain_peak", "plan_jointly", "step_budget_bytes", "step_peaks"]
 

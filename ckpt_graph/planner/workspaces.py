@@ -28,37 +28,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ckpt_graph._errors import CkptGraphError, CkptGraphValueError
 from ckpt_graph.engine.graph import Handle, arg_at
 from ckpt_graph.memory import measure
+from ckpt_graph.planner.records import Workspace
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
     from ckpt_graph.engine.region import Region
 
-__all__ = ["Workspace", "measure_workspaces"]
-
-
-class Workspace(NamedTuple):
-    """Temporaries of one op, in bytes, beyond what it returns.
-
-    Attributes:
-        backward: allocated by its backward formula (beyond the input gradients).
-        recompute: allocated when it runs again in backward (beyond its outputs).
-        output_saves: how many of the tensors its autograd node saves are its own outputs
-            (-1 if unknown); tells which step a save belongs to (rule 1).
-        input_grads: bytes of input gradients its backward formula allocates (-1 if not
-            measured); 0 means it passes its output's gradient on (rule 4).
-    """
-
-    backward: int
-    recompute: int
-    output_saves: int = -1
-    input_grads: int = -1
+__all__ = ["measure_workspaces"]
 
 
 _MEMO: dict[tuple[Any, ...], Workspace] = {}

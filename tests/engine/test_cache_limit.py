@@ -27,7 +27,8 @@ from ckpt_graph.compare.zoo import Workload, build_workload
 from ckpt_graph.engine import cache_bound
 from ckpt_graph.engine.segment_plan import SegmentPlan, SegmentProfile
 from ckpt_graph.memory import measure
-from ckpt_graph.planner.liveness import kept_ops_of, simulate
+from ckpt_graph.planner.from_region import kept_ops_of
+from ckpt_graph.planner.liveness import simulate
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import ckpt_graph as cg
 from ckpt_graph.compare.zoo import Workload, build_workload
 from ckpt_graph.memory import measure
-from ckpt_graph.planner.costs import from_region, kept_ops_of
+from ckpt_graph.planner.from_region import from_region, kept_ops_of
 from ckpt_graph.planner.hand_seeds import hand_seeds, short_name
 from ckpt_graph.planner.liveness import simulate
 from ckpt_graph.planner.seeds import candidate_ops

@@ -16,14 +16,8 @@ from torch import nn
 import ckpt_graph as cg
 from ckpt_graph.compare.architectures import GPT
 from ckpt_graph.memory import measure
-from ckpt_graph.planner.liveness import (
-    SimGraph,
-    SimOp,
-    SimValue,
-    from_region,
-    kept_ops_of,
-    simulate,
-)
+from ckpt_graph.planner.from_region import from_region, kept_ops_of
+from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue, simulate
 from ckpt_graph.planner.memory_budget import MemoryBudget, PlanReport, memory_budget
 from ckpt_graph.planner.seeds import mincut_plan
 from ckpt_graph.planner.solve import brute_force, candidate_ops, solve

@@ -1,6 +1,6 @@
 """memory_budget with changing shapes: plans apply across sizes (issue 14 item 14).
 
-See Note [Plans across sizes] in ckpt_graph/planner/budget_sizes.py. The step-time ratio is
+See Note [Plans across sizes] in ckpt_graph/planner/across_sizes.py. The step-time ratio is
 measured in benchmarks/bench_budget_shapes.py, not here. Int budgets here bound the simulated
 peak (``check=False``): the measured check of Note [Measured budget check] would plan once more.
 """
@@ -20,7 +20,8 @@ from ckpt_graph.compare.architectures import GPT
 from ckpt_graph.memory import measure
 from ckpt_graph.planner import local_search, menus, seeds
 from ckpt_graph.planner import memory_budget as memory_budget_module
-from ckpt_graph.planner.liveness import from_region, kept_ops_of, simulate
+from ckpt_graph.planner.from_region import from_region, kept_ops_of
+from ckpt_graph.planner.liveness import simulate
 from ckpt_graph.planner.local_search import Refinement
 from ckpt_graph.planner.memory_budget import MemoryBudget, StepPlan, memory_budget
 from ckpt_graph.planner.solve import solve_from

@@ -19,7 +19,7 @@ from ckpt_graph.integrations.wrap import unwrap, wrap
 from ckpt_graph.memory import measure
 from ckpt_graph.planner.liveness import SimResult
 from ckpt_graph.planner.memory_budget import MemoryBudget, StepPlan
-from ckpt_graph.planner.plans import Option, Seen
+from ckpt_graph.planner.records import Option, Seen
 from ckpt_graph.planner.step_budget import choose
 
 LAYERS = 6

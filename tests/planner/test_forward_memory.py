@@ -9,9 +9,10 @@ import torch
 import ckpt_graph as cg
 from ckpt_graph.memory import measure
 from ckpt_graph.planner.forward_memory import forward_peak, prune
-from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue, from_region, simulate
+from ckpt_graph.planner.from_region import from_region
+from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue, simulate
 from ckpt_graph.planner.memory_budget import memory_budget
-from ckpt_graph.planner.plans import Option, Seen
+from ckpt_graph.planner.records import Option, Seen
 from ckpt_graph.planner.seeds import candidate_ops
 from ckpt_graph.planner.step_budget import choose
 

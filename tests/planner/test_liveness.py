@@ -16,17 +16,10 @@ from ckpt_graph.compare.architectures import GPT
 from ckpt_graph.compare.zoo import build_workload
 from ckpt_graph.memory import measure, measure_with_result
 from ckpt_graph.planner import workspaces as _liveness_workspaces
-from ckpt_graph.planner.costs import grad_bytes
-from ckpt_graph.planner.liveness import (
-    SimGraph,
-    SimOp,
-    SimValue,
-    from_region,
-    kept_ops_of,
-    measure_workspaces,
-    simulate,
-)
+from ckpt_graph.planner.from_region import from_region, grad_bytes, kept_ops_of
+from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue, simulate
 from ckpt_graph.planner.memory_budget import memory_budget
+from ckpt_graph.planner.workspaces import measure_workspaces
 
 
 def chain(n: int, nbytes: int = 8) -> SimGraph:

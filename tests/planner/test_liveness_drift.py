@@ -18,7 +18,8 @@ from test_liveness import predicted_peak, run_region
 
 import ckpt_graph as cg
 from ckpt_graph.compare.zoo import build_workload
-from ckpt_graph.planner.liveness import from_region, kept_ops_of, simulate
+from ckpt_graph.planner.from_region import from_region, kept_ops_of
+from ckpt_graph.planner.liveness import simulate
 from ckpt_graph.planner.memory_budget import memory_budget
 
 MODELS = ["gpt", "mlp", "cnn"]

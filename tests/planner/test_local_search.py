@@ -9,7 +9,8 @@ import pytest
 import ckpt_graph as cg
 from ckpt_graph.compare.zoo import build_workload
 from ckpt_graph.planner.cost_model import recorded_costs
-from ckpt_graph.planner.liveness import SimGraph, from_region, simulate
+from ckpt_graph.planner.from_region import from_region
+from ckpt_graph.planner.liveness import SimGraph, simulate
 from ckpt_graph.planner.solve import candidate_ops, solve
 
 

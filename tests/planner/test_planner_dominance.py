@@ -18,8 +18,9 @@ from ckpt_graph.planner.cost_model import (
     parse_budget,
     recorded_costs,
 )
+from ckpt_graph.planner.from_region import from_region
 from ckpt_graph.planner.hand_seeds import block_ids, hand_seeds
-from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue, from_region, simulate
+from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue, simulate
 from ckpt_graph.planner.solve import candidate_ops, solve
 from ckpt_graph.policies import memory_budget
 

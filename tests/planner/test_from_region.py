@@ -6,7 +6,7 @@ import torch
 
 import ckpt_graph as cg
 from ckpt_graph.engine.region import Region
-from ckpt_graph.planner.costs import from_region
+from ckpt_graph.planner.from_region import from_region
 from ckpt_graph.policies import save_ops
 
 aten = torch.ops.aten

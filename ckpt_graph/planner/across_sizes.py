@@ -93,11 +93,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckpt_graph.planner.local_search import Refinement
-from ckpt_graph.planner.plans import Option, Plan, RegionGraph, Signature, numel
-from ckpt_graph.planner.solve import PlanReport, solve, solve_from
+from ckpt_graph.planner.records import Option, Plan, PlanReport, RegionGraph, Signature, numel
+from ckpt_graph.planner.solve import solve, solve_from
 
 if TYPE_CHECKING:
-    from ckpt_graph.planner.budget_heuristic import Run
+    from ckpt_graph.planner.records import Run
 
 __all__ = ["catch_up", "cheap_start", "follow", "match", "op_shapes", "scaled", "structure"]
 

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 from ckpt_graph.engine import cache_bound, passes
 from ckpt_graph.engine.graph import INPLACE_ON_KEPT
 from ckpt_graph.engine.op_info import UNANNOTATED_ALIASES
+from ckpt_graph.planner.records import Workspace
 from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimValue
-from ckpt_graph.planner.workspaces import _ZERO, Workspace
+from ckpt_graph.planner.workspaces import _ZERO
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
