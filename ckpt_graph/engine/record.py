@@ -1,6 +1,6 @@
 """The recorder: a ``TorchDispatchMode`` that turns every aten op of a region into an op node.
 
-See Note [Mutation and views] in ``mutation.py`` for in-place ops, views and kept values.
+See Note [Mutation and views] in ``mutation/writes.py`` for in-place ops, views and kept values.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph.engine.graph import Handle
-from ckpt_graph.engine.mutation import before_write
+from ckpt_graph.engine.mutation.write_prep import keep_silently_written, restore, write_state
+from ckpt_graph.engine.mutation.writes import before_write
 from ckpt_graph.engine.op_info import _OP_INFO, OpInfo, op_info
 from ckpt_graph.engine.outputs import decide, record_node
 from ckpt_graph.engine.replay import capture_rng
-from ckpt_graph.engine.write_prep import keep_silently_written, restore, write_state
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region

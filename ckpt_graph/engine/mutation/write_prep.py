@@ -2,7 +2,7 @@
 if the op raises.
 
 The recorder calls these for ops whose ``OpInfo.writes`` is set, around ``before_write``
-(see Note [Mutation and views] in ``mutation.py``).
+(see Note [Mutation and views] in ``writes.py``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 from ckpt_graph.engine import graph
 from ckpt_graph.engine.graph import Handle, arg_at
 from ckpt_graph.engine.holding import hold
+from ckpt_graph.engine.mutation.storage_history import alias_source
 from ckpt_graph.engine.op_info import OpInfo
-from ckpt_graph.engine.storage_history import alias_source
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region

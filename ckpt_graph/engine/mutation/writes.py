@@ -72,10 +72,10 @@ import torch
 
 from ckpt_graph.engine.graph import SILENT_WRITE, Handle, arg_at
 from ckpt_graph.engine.holding import hold_copy, index_storage
+from ckpt_graph.engine.mutation.overlap import overlap
+from ckpt_graph.engine.mutation.storage_history import alias_source, note_write
 from ckpt_graph.engine.op_info import OpInfo
-from ckpt_graph.engine.overlap import overlap
 from ckpt_graph.engine.replay import exact_copy
-from ckpt_graph.engine.storage_history import alias_source, note_write
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
