@@ -82,7 +82,7 @@ _UNANNOTATED_WRITES: dict[str, tuple[int, ...]] = {
 # ``rrelu_with_noise`` fills its noise argument, which its backward formula reads, and
 # autograd saves that argument before the op runs; the in-place ``rrelu_with_noise_``
 # (``nn.RReLU(inplace=True)``, ``F.rrelu_``) fills it the same way, while its ``self`` is
-# written (and bumped) as any in-place op's. See Note [Silent writes] in mutation/write_prep.py.
+# written (and bumped) as any in-place op's. See Note [Silent writes] in mutation/silent_writes.py.
 _UNVERSIONED_WRITES: dict[str, tuple[int, ...]] = {
     "aten::rrelu_with_noise": (1,),
     "aten::rrelu_with_noise_": (1,),

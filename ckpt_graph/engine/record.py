@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph.engine.graph import Handle
-from ckpt_graph.engine.mutation.write_prep import keep_silently_written, restore, write_state
+from ckpt_graph.engine.mutation.failed_writes import restore, write_state
+from ckpt_graph.engine.mutation.silent_writes import keep_silently_written
 from ckpt_graph.engine.mutation.writes import before_write
 from ckpt_graph.engine.op_info import _OP_INFO, OpInfo, op_info
 from ckpt_graph.engine.outputs import decide, record_node
