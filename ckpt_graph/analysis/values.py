@@ -52,7 +52,7 @@ __all__ = [
     "written_input",
 ]
 
-from ckpt_graph.engine.decisions import SDPA_NO_FORMULA as _SDPA_NO_FORMULA
+from ckpt_graph.engine.flops import SDPA_NO_FORMULA as _SDPA_NO_FORMULA
 from ckpt_graph.engine.graph import KeptReason
 
 

@@ -66,7 +66,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
 from ckpt_graph._sizes import parse_size
-from ckpt_graph.engine.decisions import estimate_flops, has_flop_formula
+from ckpt_graph.engine.flops import estimate_flops, has_flop_formula
 from ckpt_graph.engine.graph import Handle
 
 if TYPE_CHECKING:
