@@ -66,11 +66,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
 from ckpt_graph._sizes import parse_size
-from ckpt_graph.engine.flops import estimate_flops, has_flop_formula
+from ckpt_graph.engine.flops import node_flops
 from ckpt_graph.engine.graph import Handle
 
 if TYPE_CHECKING:
-    from ckpt_graph.engine.graph import OpNode
     from ckpt_graph.engine.region import Region
 
 __all__ = [
@@ -188,15 +187,14 @@ def recorded_costs(region: Region, indices: Iterable[int], flops_per_byte: float
     """
     nodes = region.nodes
     costs: dict[int, int] = {}
-    with _disable_current_modes():
-        for j in indices:
-            node = nodes[j]
-            flops = _node_flops(node) if has_flop_formula(node.op) else 0
-            moved = 0
-            if flops <= 0:
-                moved = sum(h.nbytes for h in node.outputs if h is not None)
-                moved += sum(_arg_bytes(a) for a in node.args)
-            costs[j] = op_cost(flops, moved, flops_per_byte)
+    for j in indices:
+        node = nodes[j]
+        flops = node_flops(node)
+        moved = 0
+        if flops <= 0:
+            moved = sum(h.nbytes for h in node.outputs if h is not None)
+            moved += sum(_arg_bytes(a) for a in node.args)
+        costs[j] = op_cost(flops, moved, flops_per_byte)
     return costs
 
 
@@ -206,26 +204,6 @@ def _arg_bytes(a: Any) -> int:
     if type(a) is list or type(a) is tuple:
         return sum(e.nbytes for e in a if type(e) is Handle)
     return 0
-
-
-def _meta(a: Any) -> Any:
-    if type(a) is Handle:
-        return torch.empty(a.shape, dtype=a.dtype, device="meta")
-    if type(a) is list or type(a) is tuple:
-        return [_meta(e) for e in a]
-    return a
-
-
-def _node_flops(node: OpNode) -> int:
-    """FLOPs of a recorded op from its formula (0 when it cannot be evaluated)."""
-    try:
-        args = [_meta(a) for a in node.args]
-        kwargs = {k: _meta(v) for k, v in node.kwargs.items()}
-        outs = [_meta(o) for o in node.outputs]
-    except (RuntimeError, TypeError):  # symbolic or unusual sizes: unknown cost
-        return 0
-    out = tuple(outs) if node.out_is_tuple else outs[0]
-    return estimate_flops(node.op, out, args, kwargs)
 
 
 _CLAMP = (0.5, 16.0)
