@@ -1,7 +1,7 @@
 """Shared computations of introspection: FLOPs, storage accounting, recompute chains.
 
 Everything here reads only a region's metadata (op nodes and handles), never a tensor
-value, so it works during the forward, after it, and after the region released its values.
+value, so it works during the forward, after it, and after the region freed its values.
 
 # Note [Counting kept and recomputed bytes]
 # Several handles can describe one block of memory: a view op's output shares its base's

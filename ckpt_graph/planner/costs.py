@@ -151,8 +151,8 @@ def from_region(
     """Build the :class:`SimGraph` of a recorded region.
 
     Args:
-        region: a region whose forward has run (values may be released; metadata is used).
-            Generator states are those the region still holds: a dead random op dropped
+        region: a region whose forward has run (values may be freed; metadata is used).
+            Generator states are those the region still holds: a dead random op freed
             its own (see Note [Backward liveness model] rule 9), so build the graph of a
             region before its backward to count them.
         costs: recompute cost per op index; missing ops cost the elements of their outputs;

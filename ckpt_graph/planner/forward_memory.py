@@ -10,7 +10,7 @@ cost only forward memory.
 #    peak of a plan is the largest level at an op, its outputs and ``run_workspace``
 #    included, before the values it read last are freed.
 # 2. Kept values that backward never reads (no saved tensor, no op that runs in backward
-#    reads them) are released at the region's exit (Note [Backward liveness model] rule 5),
+#    reads them) are freed at the region's exit (Note [Backward liveness model] rule 5),
 #    so keeping them changes nothing in backward but holds them through the rest of the
 #    forward: ``prune`` drops their ops from a plan. Solvers keep such values because
 #    their simulated cost and backward peak are the same either way; the step's forward
