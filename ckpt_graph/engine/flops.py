@@ -73,9 +73,9 @@ def estimate_flops(op: Any, out: Any, args: Any, kwargs: Any) -> int:
 # Note [Memoized FLOP formulas]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # ``torch.utils.flop_counter``'s formulas read only shapes and non-tensor arguments, but each
-# call walks its arguments with pytree: about 0.3 ms for a linear layer on CPU, which made
-# ``ctx.flops`` the largest cost of a step under ``memory_budget`` (it reads the FLOPs of every
-# op, planned or not). A step repeats the same (op, shapes) calls, so the result is memoized
+# call walks its arguments with pytree, which costs more than the formula itself and would
+# make ``ctx.flops`` the largest cost of a step under ``memory_budget`` (it reads the FLOPs of
+# every op, planned or not). A step repeats the same (op, shapes) calls, so the result is memoized
 # on the op overload, each tensor's shape and dtype, and the other arguments as they are.
 # Unhashable arguments skip the memo. The memo is bounded: it is cleared when full, so
 # variable shapes cannot grow it without limit.

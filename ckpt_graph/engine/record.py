@@ -47,7 +47,7 @@ _NO_KWARGS: dict[str, Any] = {}  # shared by every op node called without keywor
 # Note [One recording path]
 # Every op of a region goes through ``Recorder.__torch_dispatch__``: gate, scan, prepare writes and random
 # draws (only when the op's flags ask), run, build the op node, decide. There is no second,
-# inline copy of these steps for common ops (there was one, and the two drifted). The path
+# inline copy of these steps for common ops (two copies drift apart). The path
 # is cheap for the common op, which writes nothing, draws nothing and returns one tensor,
 # because the work per op is shaped for it:
 #   1. Facts about an op are computed once and found by ``id(op)`` (``_OPS``):
