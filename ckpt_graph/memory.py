@@ -90,7 +90,8 @@ _BUSY = (
 # made by other threads during the call are counted (the allocator is process-wide) and get
 # their phase by time only. The profiler is process-wide too, so measure() cannot run while
 # another profiler or measure() is active, in any thread: that raises CkptGraphError. Every op
-# is recorded, so the call runs several times slower (a step of 20k small ops: 0.1 s -> ~4 s).
+# is recorded, so the call runs several times slower (measured in BENCHMARKS.md, "History from
+# Notes").
 
 
 @dataclass(frozen=True)

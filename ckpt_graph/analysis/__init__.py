@@ -2,7 +2,7 @@
 
 ``Region.graph``, ``Region.to_networkx()``, ``Region.to_dot()``, ``Region.summary()`` and
 ``Region.explain(t)`` call the functions of this package. They read only metadata, so they
-work during the forward, after it and after backward (when the region has released every
+work during the forward, after it and after backward (when the region has freed every
 tensor value).
 
 Example:

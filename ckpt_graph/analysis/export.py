@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from ckpt_graph.analysis.values import category, fmt_bytes, node_flops, value_position
+from ckpt_graph.analysis.values import category, fmt_bytes, value_position
+from ckpt_graph.engine.flops import node_flops
 
 if TYPE_CHECKING:
     import networkx as nx

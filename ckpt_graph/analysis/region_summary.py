@@ -50,10 +50,10 @@ class RegionSummary:
         kept_by: kept bytes of op outputs by who decided: policy name, ``"tag"``, an engine
             reason, or ``"default"`` (no policy answered). Snapshots are not included.
         unused_kept_bytes: bytes of kept op outputs that no saved tensor and no
-            recomputation ever reads (kept for nothing; the engine may release them when
+            recomputation ever reads (kept for nothing; the engine may free them when
             the forward ends).
         held_bytes: bytes of kept op outputs the region holds right now: what the kept
-            values occupy in memory at this point (the engine releases kept values when
+            values occupy in memory at this point (the engine frees kept values when
             no saved tensor or recomputation needs them any more; 0 after backward).
         largest_kept: up to five ``(value, bytes, decided by)`` of the largest kept values.
         recomputable_bytes: bytes of the recomputed values a full backward realizes: values
@@ -62,7 +62,7 @@ class RegionSummary:
         recompute_ops: op nodes such a backward runs (each once).
         recompute_flops: their estimated FLOPs (``torch.utils.flop_counter``; 0 if unknown).
         rng_state_bytes: bytes of generator states held to replay random ops (0 once the
-            region has released its values).
+            region has freed its values).
         backward_passes: backward passes that unpacked a recomputed value.
         recomputed_ops_last_pass: ops recomputed in the last pass.
         recomputed_ops_total: ops recomputed over all passes.

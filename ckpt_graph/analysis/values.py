@@ -1,7 +1,7 @@
 """Shared computations of introspection: FLOPs, storage accounting, recompute chains.
 
 Everything here reads only a region's metadata (op nodes and handles), never a tensor
-value, so it works during the forward, after it, and after the region released its values.
+value, so it works during the forward, after it, and after the region freed its values.
 
 # Note [Counting kept and recomputed bytes]
 # Several handles can describe one block of memory: a view op's output shares its base's
@@ -28,9 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import Handle, OpNode
@@ -44,7 +42,6 @@ __all__ = [
     "fmt_bytes",
     "fmt_flops",
     "kept_roots",
-    "node_flops",
     "recompute_chain",
     "recompute_key",
     "storage_root",
@@ -52,49 +49,8 @@ __all__ = [
     "written_input",
 ]
 
-from ckpt_graph.engine.decisions import SDPA_NO_FORMULA as _SDPA_NO_FORMULA
+from ckpt_graph.engine.flops import node_flops
 from ckpt_graph.engine.graph import KeptReason
-
-
-def _shapes(a: Any) -> Any:
-    from ckpt_graph.engine.graph import Handle
-
-    if type(a) is Handle:
-        return a.shape
-    if type(a) is list:
-        return [_shapes(e) for e in a]
-    return a
-
-
-def node_flops(node: OpNode) -> int:
-    """Estimated FLOPs of one run of ``node`` (0 if unknown); cached in ``node.flops``.
-
-    Uses ``torch.utils.flop_counter``'s registered formulas, which need only shapes: the
-    recorded handles are replaced by their shapes, so no tensor is created.
-
-    Example:
-        >>> node_flops(region.nodes[0])  # doctest: +SKIP
-        4096
-    """
-    if node.flops >= 0:
-        return node.flops
-    flops = 0
-    packet = node.op.overloadpacket
-    try:
-        if packet in _SDPA_NO_FORMULA:
-            flops = sdpa_flop_count(*(_shapes(a) for a in node.args[:3]))
-        else:
-            formula = flop_registry.get(packet)
-            if formula is not None:
-                args = [_shapes(a) for a in node.args]
-                kwargs = {k: _shapes(v) for k, v in node.kwargs.items()}
-                shapes = tuple(o.shape if o is not None else None for o in node.outputs)
-                out = shapes if node.out_is_tuple else shapes[0]
-                flops = int(formula(*args, **kwargs, out_val=out))
-    except Exception:  # a formula that does not understand this overload: unknown cost
-        flops = 0
-    node.flops = flops
-    return flops
 
 
 def written_input(node: OpNode) -> Handle | None:

@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Note [One thread by default]
     # Step times are compared as ratios measured side by side, so they must be steady rather
     # than short. With several OpenMP threads on a machine that is also busy with other work,
-    # threads wait for each other and a step takes 3-10x longer with a large spread (measured
-    # here: the default run took 9 min with 2 threads at load 8, 53 s with one). One thread
+    # threads wait for each other and a step takes several times longer with a large spread
+    # (see BENCHMARKS.md, "History from Notes"). One thread
     # also makes the process CPU-time ratio an exact figure. `--threads 0` keeps torch's default.
     cmp.add_argument(
         "--threads",

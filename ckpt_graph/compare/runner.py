@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import sdpa_backward_flop_count
 
 from ckpt_graph._errors import CkptGraphValueError
 from ckpt_graph.compare.strategies import (
@@ -35,6 +35,7 @@ from ckpt_graph.compare.strategies import (
     make_forward,
 )
 from ckpt_graph.compare.zoo import Workload, WorkloadError, build_workload
+from ckpt_graph.engine.flops import estimate_flops
 
 aten = torch.ops.aten
 _log = logging.getLogger(__name__)  # "ckpt_graph.compare.runner": timings, at INFO (cli --verbose)
@@ -120,14 +121,11 @@ class _OpCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func not in self._FREE:
             self.ops += 1
-        if func is aten._scaled_dot_product_flash_attention_for_cpu.default:
-            self.flops += sdpa_flop_count(*(a.shape for a in args[:3]))
-        elif func is aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        if func is aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+            # A backward kernel, which regions never record: outside the engine's estimator.
             self.flops += sdpa_backward_flop_count(*(a.shape for a in args[:4]))
         else:
-            formula = flop_registry.get(func._overloadpacket)
-            if formula is not None:
-                self.flops += formula(*args, **kwargs, out_val=out)
+            self.flops += estimate_flops(func, out, args, kwargs)
         return out
 
 

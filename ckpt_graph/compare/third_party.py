@@ -32,11 +32,10 @@ __all__ = ["SPECS", "Built", "MissingLibrary", "Spec", "build", "estimate_bytes"
 # The zoo is the benchmark of "models nobody tuned for" (benchmarks/bench_zoo.py), so each entry
 # is the library's own model class built from its config, with only sizes changed. Defaults
 # are chosen so that one training step without checkpointing takes 40-250 ms of CPU time on
-# one thread (measured on the project's 2-core machine: ResNet 48, Swin 42, ConvNeXt 76,
-# MobileNetV2 95, BERT 131, EfficientNet 136, T5 178, UNet 192, Mixtral 221, the loop 238, ViT
-# 248), so that a dozen configurations with planning fit a few minutes per model, yet ops are
-# not tiny: the text models multiply 512 tokens x 256 by 256 x 256 weights and larger, the
-# image models convolve 8-16 images of 64 x 64 to 128 x 128 pixels with 16-256 channels.
+# one thread (per-model timings in BENCHMARKS.md, "History from Notes"), so that a dozen
+# configurations with planning fit a few minutes per model, yet ops are not tiny: the text
+# models multiply 512 tokens x 256 by 256 x 256 weights and larger, the image models convolve
+# 8-16 images of 64 x 64 to 128 x 128 pixels with 16-256 channels.
 # Activations outweigh parameters and their gradients (otherwise no checkpointing changes the
 # step's peak): torch.utils.checkpoint per block lowers the step peak by 1.5-2.3x on all but
 # ResNet (1.3x: its memory sits in the stem and first stage at full resolution). What each

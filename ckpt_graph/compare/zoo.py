@@ -54,9 +54,8 @@ class ModelDefaults:
 # Note [Default workload size]
 # The default `compare` run (8 strategies; per strategy a warm-up, a step under the memory
 # profiler, a step under the op counter and 3 timed steps) must finish in under 60 s on 2 CPU
-# cores in float32. At these sizes it takes ~20 s of CPU time with one thread (measured: 19 s
-# user for the whole command), which leaves room for a slower or shared machine (52 s wall at a
-# load average of 7 on 2 cores). Activations (batch x seq x width x 8 layers) outweigh the
+# cores in float32, with room for a slower or shared machine (timings in BENCHMARKS.md,
+# "History from Notes"). Activations (batch x seq x width x 8 layers) outweigh the
 # parameters so that checkpointing visibly changes peak memory. See Note [One thread by default].
 DEFAULTS: dict[str, ModelDefaults] = {
     "gpt": ModelDefaults(layers=8, width=256, batch=4, seq_len=128),

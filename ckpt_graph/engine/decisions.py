@@ -35,6 +35,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphError, CkptGraphTypeError, CkptGraphValueError
+from ckpt_graph.engine.flops import estimate_flops
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.lowering import CompileContext
@@ -341,80 +342,3 @@ def tensor_bytes(out: Any) -> int:
     if isinstance(out, (tuple, list)):
         return sum(o.numel() * o.element_size() for o in out if isinstance(o, torch.Tensor))
     return 0
-
-
-_aten = torch.ops.aten
-# Attention kernels without a registered formula (the CPU flash-attention overloads): they
-# cost what the registered SDPA kernels cost (``sdpa_flop_count`` on q, k, v shapes).
-SDPA_NO_FORMULA = frozenset(
-    {
-        _aten._scaled_dot_product_flash_attention_for_cpu,
-        _aten._scaled_dot_product_fused_attention_overrideable,
-    }
-)
-
-
-def has_flop_formula(op: Any) -> bool:
-    """Whether ``estimate_flops`` has a formula for ``op`` (else it returns 0)."""
-    from torch.utils.flop_counter import flop_registry
-
-    packet = getattr(op, "overloadpacket", None)
-    return packet in SDPA_NO_FORMULA or packet in flop_registry
-
-
-def estimate_flops(op: Any, out: Any, args: Any, kwargs: Any) -> int:
-    """FLOPs of one call from ``torch.utils.flop_counter``'s formulas (0 if none).
-
-    See Note [Memoized FLOP formulas].
-    """
-    from torch.utils.flop_counter import flop_registry, sdpa_flop_count
-
-    packet = getattr(op, "overloadpacket", None)
-    sdpa = packet in SDPA_NO_FORMULA
-    formula = None if sdpa else flop_registry.get(packet)
-    if formula is None and not sdpa:
-        return 0
-    try:
-        key = (op, _shape_key(args), _shape_key(kwargs), _shape_key(out))
-        hash(key)
-    except TypeError:  # an unhashable argument: compute without the memo
-        key = None
-    if key is not None and (hit := _FLOPS_MEMO.get(key)) is not None:
-        return hit
-    try:
-        if sdpa:
-            flops = int(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
-        else:
-            assert formula is not None
-            flops = int(formula(*args, **kwargs, out_val=out))
-    except Exception:  # a formula that does not understand this overload: unknown cost
-        flops = 0
-    if key is not None:
-        if len(_FLOPS_MEMO) >= _FLOPS_MEMO_SIZE:
-            _FLOPS_MEMO.clear()
-        _FLOPS_MEMO[key] = flops
-    return flops
-
-
-# Note [Memoized FLOP formulas]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``torch.utils.flop_counter``'s formulas read only shapes and non-tensor arguments, but each
-# call walks its arguments with pytree: about 0.3 ms for a linear layer on CPU, which made
-# ``ctx.flops`` the largest cost of a step under ``memory_budget`` (it reads the FLOPs of every
-# op, planned or not). A step repeats the same (op, shapes) calls, so the result is memoized
-# on the op overload, each tensor's shape and dtype, and the other arguments as they are.
-# Unhashable arguments skip the memo. The memo is bounded: it is cleared when full, so
-# variable shapes cannot grow it without limit.
-_FLOPS_MEMO: dict[tuple[Any, ...], int] = {}
-_FLOPS_MEMO_SIZE = 4096
-
-
-def _shape_key(x: Any) -> Any:
-    """``x`` with each tensor replaced by its shape and dtype (lists become tuples)."""
-    if isinstance(x, torch.Tensor):
-        return (tuple(x.shape), x.dtype)
-    if isinstance(x, (tuple, list)):
-        return tuple(_shape_key(i) for i in x)
-    if isinstance(x, dict):
-        return tuple(sorted((k, _shape_key(v)) for k, v in x.items()))
-    return x

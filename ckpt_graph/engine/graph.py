@@ -11,14 +11,14 @@ input*, which is always kept.
 # the forward, and for each tensor output a handle carrying metadata (shape, dtype, bytes).
 # Only *kept* handles hold a tensor (``Handle.value``): region inputs, outputs the policy
 # stack decided to keep, tagged values and values the engine must keep for correctness
-# (``Handle.reason`` says which). Every other value is released by the forward as usual and
+# (``Handle.reason`` says which). Every other value is freed by the forward as usual and
 # comes back in backward by realizing its handle (see Note [Realize order]).
 #
 # Ownership has no cycles once the region is closed: region -> op nodes -> handles -> kept
 # values. Handles refer to their producer by position (``node_index``), never by
 # reference; a view's handle refers to its ``base`` handle, which never refers back. While
 # the region is open, its recorder, saved-tensor hook closures and policy context refer to
-# it; closing drops all three. After that nothing refers back to the region but the
+# it; closing frees all three. After that nothing refers back to the region but the
 # packed objects autograd holds (see Note [Packed lifetime]) and the user's own variable.
 """
 
@@ -56,7 +56,7 @@ class KeptReason(StrEnum):
 
     @property
     def by_engine(self) -> bool:
-        """Whether the engine keeps the value for correctness (no policy or tag may drop it)."""
+        """Whether the engine keeps the value for correctness (no policy or tag may recompute it)."""
         return self not in _CHOSEN
 
 
@@ -111,7 +111,7 @@ class Handle:
         storage, storage_offset: a weak reference to the storage of the forward tensor
             (``UntypedStorage._weak_ref()``, an int; 0 for none) and its offset in it,
             filled in when autograd first saves the value and freed when the region
-            releases its values; a tensor the program still holds is read as it is only
+            frees its values; a tensor the program still holds is read as it is only
             while it has them (see Note [Live forward tensors]).
         is_view: the value aliases the storage of another handle (a view op output).
         base: for a view (``is_view``), the handle of the value it is a view of, followed
@@ -128,9 +128,9 @@ class Handle:
             counted while recording and never decremented (a kept value nothing used yet
             is overwritten in place without a copy: Note [Mutation and views], rule 4).
         saved_refs: saved tensors alive now (``hooks.Packed`` objects) that refer to the
-            value; each is released when autograd frees it.
+            value; each is freed when autograd frees it.
         live_uses: from region exit on, across backward passes: saved tensors and op nodes
-            that may still run that need the value; a kept value is released when it
+            that may still run that need the value; a kept value is freed when it
             reaches zero (see Note [Releasing kept values]).
         pass_uses: the use count of the current backward pass: saved tensors and op nodes
             that will run in this pass still to use the value; its cache is freed when it
@@ -142,7 +142,7 @@ class Handle:
             cached between uses (see Note [Transient values]).
         waiting_readers: per backward pass, for a transient value, the op nodes of the
             running realize waiting to run that read its cached value (``realize`` pins
-            and unpins it); the cache is dropped when none is left.
+            and unpins it); the cache is freed when none is left.
     """
 
     __slots__ = (
@@ -227,8 +227,8 @@ class Handle:
         self.reason = reason
         self.copied = False
 
-    def drop(self) -> None:
-        """Stop holding the value: it will be recomputed."""
+    def free(self) -> None:
+        """Free the value: it will be recomputed."""
         self.value = None
         self.reason = None
         self.copied = False
@@ -262,10 +262,10 @@ class OpNode:
         realized: how many times the op ran during backward passes.
         may_run: from region exit on, some recomputed output still has live uses, so the
             op node may have to run again; once ``False`` it never runs again and its
-            generator state is dropped when its kept outputs have no live use either (see
+            generator state is freed when its kept outputs have no live use either (see
             Note [Releasing kept values]).
         transient: per backward pass, its output is transient (see Note [Transient values]).
-        owed: per bounded pass, an output was dropped while pending: the op runs again
+        owed: per bounded pass, an output was freed while pending: the op runs again
             (see Note [Bounded recompute cache]).
     """
 

@@ -1,7 +1,7 @@
-"""Holding values: the one place the region keeps a value for backward and lets it go.
+"""Holding values: the one place the region keeps a value for backward and frees it.
 
 # Note [Holding values]
-# The region holds a value in one place, ``hold``, and lets it go in one, ``unhold``:
+# The region holds a value in one place, ``hold``, and frees it in one, ``free_kept``:
 #   1. Holding sets the handle's value (an alias of the forward tensor without autograd
 #      history, or a host copy when offloaded) and its reason.
 #   2. ``kept_bytes`` counts memory the region holds that nobody else accounts for: an
@@ -22,7 +22,7 @@
 #      Unbind is a view and its base ... has been modified inplace", where eager, which
 #      reads no ``grad_fn``, runs (the view written under ``torch.no_grad()`` in the region).
 # Undoing a failed in-place op restores handles and ``kept_bytes`` as they were instead
-# (see Note [Failed in-place ops]), and a released region drops every value at once.
+# (see Note [Failed in-place ops]), and ``Region._release`` frees every value at once.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "detached",
+    "free_kept",
     "hold",
     "hold_copy",
     "hold_new_version",
     "index_storage",
-    "unhold",
     "without_history",
 ]
 
@@ -89,7 +89,7 @@ def without_history(t: torch.Tensor) -> bool:
 
 def hold_new_version(region: Region, old: Handle, h: Handle, t: torch.Tensor) -> None:
     """Keep the result ``t`` of an in-place op over the kept value ``old``, which nobody
-    used: the same memory, so ``old`` lets its value go and ``h`` is not counted again.
+    used: the same memory, so ``old`` frees its value and ``h`` is not counted again.
     See Note [Holding values]."""
     hold(region, h, t, graph.INPLACE_ON_KEPT, count=False)
     old.value = None  # superseded: its saved tensors raise the version error
@@ -106,11 +106,11 @@ def hold_copy(region: Region, h: Handle, copy: torch.Tensor, held: bool = False)
         index_storage(region, h)
 
 
-def unhold(region: Region, h: Handle) -> None:
-    """Stop keeping the value of ``h``: it is recomputed. See Note [Holding values]."""
+def free_kept(region: Region, h: Handle) -> None:
+    """Free the kept value of ``h``: it is recomputed. See Note [Holding values]."""
     if h.node_index >= 0 and not h.is_view:
         region.kept_bytes -= h.nbytes
-    h.drop()
+    h.free()
 
 
 def index_storage(region: Region, h: Handle) -> None:

@@ -3,10 +3,10 @@
 # Note [Packed lifetime]
 # The pack hook returns a small ``Packed`` object (region, handle) for each tensor autograd
 # saves in the region, counting it in the handle's ``saved_refs`` and the region's live packs.
-# Autograd holds these objects in its graph; when it releases one (after the node ran in a
-# backward without ``retain_graph``, or when the graph is dropped), ``Packed.__del__``
+# Autograd holds these objects in its graph; when it frees one (after the node ran in a
+# backward without ``retain_graph``, or when the graph is freed), ``Packed.__del__``
 # decrements the counts. When the region has exited and its last packed object is gone,
-# the region drops every tensor it holds: kept values, caches, RNG states. A region object
+# the region frees every tensor it holds: kept values, caches, RNG states. A region object
 # the user still refers to keeps only metadata. Reference counting makes this prompt;
 # nothing here creates a reference cycle, so no garbage collection is needed.
 """

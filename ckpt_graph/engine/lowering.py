@@ -59,12 +59,12 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint  # before any
 
 from ckpt_graph.engine.decisions import (
     PolicyFn,
-    estimate_flops,
     normalize_policy,
     policy_name,
     resolve,
     tensor_bytes,
 )
+from ckpt_graph.engine.flops import estimate_flops
 from ckpt_graph.engine.op_info import op_info
 
 __all__ = ["CompileContext", "LoweredPolicy", "checkpoint_lowered", "needs_region"]

@@ -19,12 +19,12 @@
 #   4. Prefetch: when backward reads an offloaded value, the copy back of the offloaded value
 #      kept just before it in the forward starts at once, since backward runs the forward in
 #      reverse. Backward's compute overlaps that copy; at most one value is prefetched ahead
-#      (device memory of one value). A prefetched value whose handle is released before it is
-#      read is dropped.
+#      (device memory of one value). A prefetched value whose handle is freed before it is
+#      read is freed too.
 #   5. The value read last stays on the device until another offloaded value is read: a
 #      value read twice in a row (by the recompute of a value derived from it, then by the
 #      saved tensor itself, as GELU's input is in a Linear-GELU-Linear block) is copied back
-#      once. That holds one more value on the device, at most, until the region releases.
+#      once. That holds one more value on the device, at most, until the region frees its values.
 #   6. A CPU tensor is "offloaded" by being kept as it is (it is in host memory already);
 #      other devices copy synchronously with ``Tensor.to``.
 # Known limitations: one value of lookahead, chosen by forward order, not by the backward's
@@ -160,7 +160,7 @@ class Offloader:
     def _prefetch_before(self, h: Handle) -> None:
         """Start copying back the offloaded value kept just before ``h`` (rule 4)."""
         for key in [k for k, (p, _, _) in self.pending.items() if p.value is None]:
-            del self.pending[key]  # released before it was read
+            del self.pending[key]  # freed before it was read
         if self.pending:
             return  # one value of lookahead
         at = self._position.get(id(h), 0) - 1
@@ -176,6 +176,6 @@ class Offloader:
             at -= 1
 
     def clear(self) -> None:
-        """Drop every value copied back (the region released its values)."""
+        """Free every value copied back (the region freed its values)."""
         self.pending.clear()
         self._last = None

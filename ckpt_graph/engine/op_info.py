@@ -15,7 +15,7 @@ from torch._ops import OpOverload
 __all__ = ["UNANNOTATED_ALIASES", "OpInfo", "op_info"]
 
 # Ops returning aliases of their input without saying so in their schema (each output has
-# a version counter of its own). See Note [Mutation and views], rule 6 (mutation.py); a
+# a version counter of its own). See Note [Mutation and views], rule 6 (mutation/writes.py); a
 # replayed write to such an output runs on a copy (``realize.run_node``).
 UNANNOTATED_ALIASES = frozenset(
     {
@@ -82,7 +82,7 @@ _UNANNOTATED_WRITES: dict[str, tuple[int, ...]] = {
 # ``rrelu_with_noise`` fills its noise argument, which its backward formula reads, and
 # autograd saves that argument before the op runs; the in-place ``rrelu_with_noise_``
 # (``nn.RReLU(inplace=True)``, ``F.rrelu_``) fills it the same way, while its ``self`` is
-# written (and bumped) as any in-place op's. See Note [Silent writes] in write_prep.py.
+# written (and bumped) as any in-place op's. See Note [Silent writes] in mutation/silent_writes.py.
 _UNVERSIONED_WRITES: dict[str, tuple[int, ...]] = {
     "aten::rrelu_with_noise": (1,),
     "aten::rrelu_with_noise_": (1,),

@@ -17,9 +17,9 @@ from ckpt_graph.engine.debug import checksums
 from ckpt_graph.engine.decisions import resolve
 from ckpt_graph.engine.graph import Handle, OpNode
 from ckpt_graph.engine.holding import hold, hold_new_version
-from ckpt_graph.engine.mutation import mark_written
+from ckpt_graph.engine.mutation.storage_history import after_write
+from ckpt_graph.engine.mutation.writes import mark_written
 from ckpt_graph.engine.op_info import OpInfo
-from ckpt_graph.engine.storage_history import after_write
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region

@@ -52,7 +52,7 @@ import torch
 
 from ckpt_graph.engine.cache_bound import decide_bound, plan_bound
 from ckpt_graph.engine.graph import Handle, version_of
-from ckpt_graph.engine.holding import detached, unhold
+from ckpt_graph.engine.holding import detached, free_kept
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
@@ -231,7 +231,7 @@ def _recompute_changed_kept(region: Region) -> None:
                 if not inputs_ok or o.saved_refs > 0:
                     unavailable.add(o)
                     continue
-                unhold(region, o)
+                free_kept(region, o)
                 _hold_inputs(region, node)
             elif o.value is None and _forward_tensor(o) is None:
                 unavailable.add(o)

@@ -1,6 +1,6 @@
 """The recorder: a ``TorchDispatchMode`` that turns every aten op of a region into an op node.
 
-See Note [Mutation and views] in ``mutation.py`` for in-place ops, views and kept values.
+See Note [Mutation and views] in ``mutation/writes.py`` for in-place ops, views and kept values.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph.engine.graph import Handle
-from ckpt_graph.engine.mutation import before_write
+from ckpt_graph.engine.mutation.failed_writes import restore, write_state
+from ckpt_graph.engine.mutation.silent_writes import keep_silently_written
+from ckpt_graph.engine.mutation.writes import before_write
 from ckpt_graph.engine.op_info import _OP_INFO, OpInfo, op_info
 from ckpt_graph.engine.outputs import decide, record_node
 from ckpt_graph.engine.replay import capture_rng
-from ckpt_graph.engine.write_prep import keep_silently_written, restore, write_state
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
@@ -46,7 +47,7 @@ _NO_KWARGS: dict[str, Any] = {}  # shared by every op node called without keywor
 # Note [One recording path]
 # Every op of a region goes through ``Recorder.__torch_dispatch__``: gate, scan, prepare writes and random
 # draws (only when the op's flags ask), run, build the op node, decide. There is no second,
-# inline copy of these steps for common ops (there was one, and the two drifted). The path
+# inline copy of these steps for common ops (two copies drift apart). The path
 # is cheap for the common op, which writes nothing, draws nothing and returns one tensor,
 # because the work per op is shaped for it:
 #   1. Facts about an op are computed once and found by ``id(op)`` (``_OPS``):

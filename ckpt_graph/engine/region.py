@@ -25,15 +25,15 @@ from ckpt_graph.engine.debug import kept_checksums
 from ckpt_graph.engine.decisions import POLICY_NAMES, PolicyContext, PolicyFn, policy_name, resolve
 from ckpt_graph.engine.decisions import to_decision as _to_decision
 from ckpt_graph.engine.graph import Handle, OpNode, version_of
-from ckpt_graph.engine.holding import detached, hold, unhold
+from ckpt_graph.engine.holding import detached, free_kept, hold
 from ckpt_graph.engine.hooks import pack_hook_for, unpack_hook_for_autograd
+from ckpt_graph.engine.mutation.storage_history import StorageHistory, rebase
 from ckpt_graph.engine.offload import Offloader
 from ckpt_graph.engine.outputs import KEPT_ON_HOST as _KEPT_ON_HOST
 from ckpt_graph.engine.passes import PassState
 from ckpt_graph.engine.record import Recorder
 from ckpt_graph.engine.release import count_live_uses, lose_use
 from ckpt_graph.engine.replay import REPLAY_GLOBALS, replay_globals
-from ckpt_graph.engine.storage_history import StorageHistory, rebase
 
 __all__ = ["Region", "current_region"]
 
@@ -337,7 +337,7 @@ class Region:
             else:
                 h.reason = graph.TAG
         elif h.kept:
-            unhold(self, h)
+            free_kept(self, h)
 
     # ----------------------------------------------------------------- backward
     def _pack_released(self, h: Handle) -> None:

@@ -24,14 +24,12 @@
 # by ``flops_per_byte x (bytes read + bytes written)``, where ``flops_per_byte`` is the
 # FLOPs a matmul runs in the time a pointwise op moves one byte on this machine. It is
 # *calibrated* once per process, at the first plan, from two measured op times (the best of
-# 9 interleaved runs of a 256^3 float32 matmul and of a 2^20-element float32 add, about
-# 30 ms in all), and clamped to [0.5, 16] (measured here: 0.9-2.4 on the loaded 2-core CPU);
-# ``memory_budget(..., flops_per_byte=x)`` fixes it for one policy, and the environment
-# variable ``CKPT_GRAPH_FLOPS_PER_BYTE`` for every policy that does not pass it (see Note
-# [Pinned calibration]). Before this model, a pointwise op cost one FLOP per output
-# element, i.e. 0.25 FLOP per byte written for float32 and nothing for its reads, so plans
-# recomputed long pointwise chains (GELU, softmax, dropout) as if they were nearly free and
-# kept matmul outputs less often than their time warrants.
+# 9 interleaved runs of a 256^3 float32 matmul and of a 2^20-element float32 add), and
+# clamped to [0.5, 16]; ``memory_budget(..., flops_per_byte=x)`` fixes it for one policy, and
+# the environment variable ``CKPT_GRAPH_FLOPS_PER_BYTE`` for every policy that does not pass
+# it (see Note [Pinned calibration]). Reads count: costing a pointwise op by its output
+# elements alone makes long pointwise chains (GELU, softmax, dropout) look nearly free to
+# recompute, and matmul outputs kept less often than their time warrants.
 # Known limitations: one constant for every memory-bound op (a strided copy or a reduction
 # moves bytes more slowly than an add); bytes are the tensors' sizes, not what the kernel
 # touches (broadcasts count once); calibration on a loaded machine is noisy (the clamp bounds
@@ -40,9 +38,9 @@
 # Note [Pinned calibration]
 # A plan depends on ``flops_per_byte``, so a calibrated one makes the same program plan
 # differently from machine to machine and from run to run (a loaded core slows the add more
-# than the matmul, or the reverse): measured 2.3-4.6 in three processes on one loaded 2-core
-# CPU. Where plans must agree, the environment variable ``CKPT_GRAPH_FLOPS_PER_BYTE`` pins
-# the ratio for every ``memory_budget`` that was not given ``flops_per_byte=``:
+# than the matmul, or the reverse). Where plans must agree, the environment variable
+# ``CKPT_GRAPH_FLOPS_PER_BYTE`` pins the ratio for every ``memory_budget`` that was not given
+# ``flops_per_byte=``:
 #   - a test session (``tests/conftest.py`` sets it, so no test result depends on the
 #     machine or its load);
 #   - the processes of one distributed job (ranks that calibrate on their own may plan the
@@ -66,11 +64,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
 from ckpt_graph._sizes import parse_size
-from ckpt_graph.engine.decisions import estimate_flops, has_flop_formula
+from ckpt_graph.engine.flops import node_flops
 from ckpt_graph.engine.graph import Handle
 
 if TYPE_CHECKING:
-    from ckpt_graph.engine.graph import OpNode
     from ckpt_graph.engine.region import Region
 
 __all__ = [
@@ -188,15 +185,14 @@ def recorded_costs(region: Region, indices: Iterable[int], flops_per_byte: float
     """
     nodes = region.nodes
     costs: dict[int, int] = {}
-    with _disable_current_modes():
-        for j in indices:
-            node = nodes[j]
-            flops = _node_flops(node) if has_flop_formula(node.op) else 0
-            moved = 0
-            if flops <= 0:
-                moved = sum(h.nbytes for h in node.outputs if h is not None)
-                moved += sum(_arg_bytes(a) for a in node.args)
-            costs[j] = op_cost(flops, moved, flops_per_byte)
+    for j in indices:
+        node = nodes[j]
+        flops = node_flops(node)
+        moved = 0
+        if flops <= 0:
+            moved = sum(h.nbytes for h in node.outputs if h is not None)
+            moved += sum(_arg_bytes(a) for a in node.args)
+        costs[j] = op_cost(flops, moved, flops_per_byte)
     return costs
 
 
@@ -206,26 +202,6 @@ def _arg_bytes(a: Any) -> int:
     if type(a) is list or type(a) is tuple:
         return sum(e.nbytes for e in a if type(e) is Handle)
     return 0
-
-
-def _meta(a: Any) -> Any:
-    if type(a) is Handle:
-        return torch.empty(a.shape, dtype=a.dtype, device="meta")
-    if type(a) is list or type(a) is tuple:
-        return [_meta(e) for e in a]
-    return a
-
-
-def _node_flops(node: OpNode) -> int:
-    """FLOPs of a recorded op from its formula (0 when it cannot be evaluated)."""
-    try:
-        args = [_meta(a) for a in node.args]
-        kwargs = {k: _meta(v) for k, v in node.kwargs.items()}
-        outs = [_meta(o) for o in node.outputs]
-    except (RuntimeError, TypeError):  # symbolic or unusual sizes: unknown cost
-        return 0
-    out = tuple(outs) if node.out_is_tuple else outs[0]
-    return estimate_flops(node.op, out, args, kwargs)
 
 
 _CLAMP = (0.5, 16.0)

@@ -10,15 +10,12 @@ cost only forward memory.
 #    peak of a plan is the largest level at an op, its outputs and ``run_workspace``
 #    included, before the values it read last are freed.
 # 2. Kept values that backward never reads (no saved tensor, no op that runs in backward
-#    reads them) are released at the region's exit (Note [Backward liveness model] rule 5),
+#    reads them) are freed at the region's exit (Note [Backward liveness model] rule 5),
 #    so keeping them changes nothing in backward but holds them through the rest of the
 #    forward: ``prune`` drops their ops from a plan. Solvers keep such values because
 #    their simulated cost and backward peak are the same either way; the step's forward
-#    peak is not. Measured on tiny GPT-2 with a region per layer (6 layers), at a budget
-#    meant for HF's checkpointing peak: the last layer kept every candidate, including
-#    the four temporaries of GPT-2's tanh GELU that autograd does not save (4 x 256 KiB),
-#    and its forward peaked 1.13 MiB above what it held at exit; that forward was the
-#    step's peak, 1.24x HF's. Pruned, it peaks 1.0 MiB lower.
+#    peak is not (a layer that keeps every candidate keeps the temporaries of GPT-2's
+#    tanh GELU, which autograd does not save, through the rest of its forward).
 # Known limitations: Python references that outlive a value's last use (a local the layer
 # still holds, e.g. HF GPT-2's ``residual``) are not modelled, so the forward peak is a
 # lower bound; the forward of a plan is never measured.

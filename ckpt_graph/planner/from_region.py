@@ -34,21 +34,17 @@ __all__ = ["from_region", "grad_bytes", "kept_ops_of", "step_grads", "workspace_
 # reshaped), ``unsafe_split`` and ``unsafe_chunk`` return aliases of their first input that
 # the engine does not mark as views (each output has a version counter of its own; see
 # ``engine.op_info.UNANNOTATED_ALIASES``). Their outputs share the input's storage here, as
-# they do in memory, and cost nothing to run again. Before, each was a candidate with a
-# storage of its own and a recompute cost of its bytes moved: keeping a ``bmm`` output and
-# its reshape counted the bytes twice, and recomputing the reshape from a kept ``bmm`` cost
-# as much as a copy. On the 8-layer eager-attention GPT of ``benchmarks/bench_anchor.py``
-# 48 of the 263 candidates were such reshapes, and the plan at 30% kept 24 of them.
+# they do in memory, and cost nothing to run again. As candidates with storages of their
+# own, keeping a ``bmm`` output and its reshape would count the bytes twice, and recomputing
+# the reshape from a kept ``bmm`` would cost as much as a copy.
 
 # Note [In-place writes to kept values]
 # When an op writes in place to a kept value nothing else used (dropout on CPU:
 # ``empty_like``, then ``bernoulli_`` and ``div_`` on it), the engine keeps the new version
 # (``INPLACE_ON_KEPT``) in the same storage. Whether that happens follows from whether the
 # plan keeps the written value, so such a value is fixed only when the op owning its
-# storage is not the plan's to decide. Before, a first step whose heuristic kept a
-# dropout's ``empty_like`` fixed its mask for every later plan: on an 8-layer
-# eager-attention GPT, 4 attention dropout masks (T x T, float) that no plan could drop,
-# 12% of the activation memory.
+# storage is not the plan's to decide; otherwise a first step whose heuristic kept a
+# dropout's ``empty_like`` would fix its mask for every later plan.
 
 
 def grad_bytes(
@@ -152,8 +148,8 @@ def from_region(
     """Build the :class:`SimGraph` of a recorded region.
 
     Args:
-        region: a region whose forward has run (values may be released; metadata is used).
-            Generator states are those the region still holds: a dead random op dropped
+        region: a region whose forward has run (values may be freed; metadata is used).
+            Generator states are those the region still holds: a dead random op freed
             its own (see Note [Backward liveness model] rule 9), so build the graph of a
             region before its backward to count them.
         costs: recompute cost per op index; missing ops cost the elements of their outputs;

@@ -16,13 +16,9 @@
 #    (Note [Forward memory of a plan]). The step's peak is the largest of these terms: what
 #    a measurement of the step sees, less the memory outside the regions (rule 5). The
 #    budget bounds it; a fraction budget is a fraction of it when every region keeps every
-#    candidate (no checkpointing). Before, the terms counted activations only
-#    (``peak_bytes``, no forward) against a fraction of the regions' saved bytes: on tiny
-#    GPT-2 with a region per layer, a budget meant for HF's checkpointing peak let the last
-#    layer keep every candidate, and its forward, holding values backward never reads, was
-#    the step's peak at 1.24x HF's; gradients were left out, so a budget in bytes said
-#    little about the measured peak, and the simulated peak with them was not even
-#    monotone in the budget (tiny Llama: 2,010,048 bytes at 0.2, 1,944,512 at 0.2166).
+#    candidate (no checkpointing). Every term counts: activations alone leave out the
+#    forward of the last region (which can be the step's peak) and the gradients, and a
+#    budget in bytes would then say little about the measured peak.
 # 2. Identical layers share a graph: a region's graph is stored once per op signature
 #    (rule 3 of Note [Memory budget policy]), and so is its *menu*: the trade-offs
 #    (kept bytes, peak, forward peak, recompute cost) of keeping nothing, keeping every

@@ -13,9 +13,9 @@
 #    figures come from the backend that will run, not from a table of formulas.
 # 2. Cost. One measurement per distinct signature (op, tensor metadata, other arguments),
 #    memoised for the process: a block repeated N times is measured once. Each takes two
-#    profiler sessions and one forward and backward of the op at the real size: a 12-layer
-#    GPT-style region (381 ops, 14 signatures) takes 0.2-0.6 s on 2 CPU cores once its
-#    kernels are warm.
+#    profiler sessions and one forward and backward of the op at the real size (a region's
+#    cost grows with its distinct signatures, not its ops; figures in BENCHMARKS.md,
+#    "History from Notes").
 # 3. Not measured (0): views and in-place ops returning the written value (their formulas
 #    allocate their results only; ops that write buffers, such as batch norm's running
 #    statistics, are measured with those buffers not requiring gradients), ops on non-CPU

@@ -19,7 +19,7 @@ from torch import nn
 
 import ckpt_graph as cg
 from ckpt_graph import policies
-from ckpt_graph.engine.overlap import overlap
+from ckpt_graph.engine.mutation.writes import overlap
 from ckpt_graph.memory import measure
 
 POLICIES = ["recompute_all", "must_save_all"]

@@ -485,30 +485,30 @@ def test_memoized_flops_follow_shapes_and_arguments() -> None:
     other shapes or other non-tensor arguments gets its own formula's answer."""
     from torch.utils.flop_counter import flop_registry
 
-    from ckpt_graph.engine import decisions
+    from ckpt_graph.engine import flops
 
     aten = torch.ops.aten
-    decisions._FLOPS_MEMO.clear()
+    flops._FLOPS_MEMO.clear()
     a, b = torch.randn(4, 8), torch.randn(8, 16)
-    first = decisions.estimate_flops(aten.mm.default, a @ b, (a, b), {})
-    assert first == 2 * 4 * 8 * 16 and len(decisions._FLOPS_MEMO) == 1
-    assert decisions.estimate_flops(aten.mm.default, a @ b, (a, b), {}) == first
-    assert len(decisions._FLOPS_MEMO) == 1  # the second call was a hit
+    first = flops.estimate_flops(aten.mm.default, a @ b, (a, b), {})
+    assert first == 2 * 4 * 8 * 16 and len(flops._FLOPS_MEMO) == 1
+    assert flops.estimate_flops(aten.mm.default, a @ b, (a, b), {}) == first
+    assert len(flops._FLOPS_MEMO) == 1  # the second call was a hit
     c = torch.randn(8, 3)
-    assert decisions.estimate_flops(aten.mm.default, a @ c, (a, c), {}) == 2 * 4 * 8 * 3
+    assert flops.estimate_flops(aten.mm.default, a @ c, (a, c), {}) == 2 * 4 * 8 * 3
     x, w = torch.randn(1, 2, 9, 9), torch.randn(4, 2, 3, 3)
     args = [x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1]
     out = aten.convolution.default(*args)
     formula = flop_registry[aten.convolution]
     want = int(formula(*args, out_val=out))
-    assert decisions.estimate_flops(aten.convolution.default, out, tuple(args), {}) == want
+    assert flops.estimate_flops(aten.convolution.default, out, tuple(args), {}) == want
     strided = [x, w, None, [2, 2], [0, 0], [1, 1], False, [0, 0], 1]
     out2 = aten.convolution.default(*strided)
-    got = decisions.estimate_flops(aten.convolution.default, out2, tuple(strided), {})
+    got = flops.estimate_flops(aten.convolution.default, out2, tuple(strided), {})
     assert got == int(formula(*strided, out_val=out2)) != want
-    decisions._FLOPS_MEMO.clear()
+    flops._FLOPS_MEMO.clear()
     out3 = torch.empty(2, 2)  # formulas read shapes: no product needs computing
-    for n in range(decisions._FLOPS_MEMO_SIZE + 5):  # bounded: cleared when full
+    for n in range(flops._FLOPS_MEMO_SIZE + 5):  # bounded: cleared when full
         left, right = torch.empty(2, n + 1), torch.empty(n + 1, 2)  # a new shape each time
-        assert decisions.estimate_flops(aten.mm.default, out3, (left, right), {}) == 8 * (n + 1)
-    assert len(decisions._FLOPS_MEMO) <= decisions._FLOPS_MEMO_SIZE
+        assert flops.estimate_flops(aten.mm.default, out3, (left, right), {}) == 8 * (n + 1)
+    assert len(flops._FLOPS_MEMO) <= flops._FLOPS_MEMO_SIZE

@@ -1,8 +1,8 @@
-"""Before an in-place op runs: keep what a silent write changes, and note what to restore
-if the op raises.
+"""An in-place op that raises: what ``before_write`` changed, noted before the op runs and
+restored after. See Note [Failed in-place ops].
 
 The recorder calls these for ops whose ``OpInfo.writes`` is set, around ``before_write``
-(see Note [Mutation and views] in ``mutation.py``).
+(see Note [Mutation and views] in ``writes.py``).
 """
 
 from __future__ import annotations
@@ -13,47 +13,13 @@ import torch
 
 from ckpt_graph.engine import graph
 from ckpt_graph.engine.graph import Handle, arg_at
-from ckpt_graph.engine.holding import hold
+from ckpt_graph.engine.mutation.storage_history import alias_source
 from ckpt_graph.engine.op_info import OpInfo
-from ckpt_graph.engine.storage_history import alias_source
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
 
-__all__ = ["keep_silently_written", "restore", "write_state"]
-
-
-# Note [Silent writes]
-# Some writes bump no version counter (``OpInfo.silent_args``): CPU ``native_batch_norm``
-# updating running statistics, ``rrelu_with_noise`` (and ``rrelu_with_noise_``, whose
-# ``self`` is written as usual) filling its noise argument. Autograd
-# saves ``noise`` before the op runs, and eager's backward reads whatever the tensor holds
-# then: the values the op wrote. A recomputed handle of the written argument would give
-# the values before the write (``empty_like``'s garbage), so the written argument is kept
-# as an alias of the forward tensor before the op runs (reason ``SILENT_WRITE``): the alias
-# sees the write, as eager's saved tensor does, and ``before_write`` does not replace it by
-# a copy. Region inputs (running statistics) are kept anyway, and copied before the write
-# for the op nodes that read them earlier.
-
-
-def keep_silently_written(
-    region: Region,
-    info: OpInfo,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    h_args: tuple[Any, ...],
-    h_kwargs: dict[str, Any],
-) -> None:
-    """Keep recomputed arguments a silent write changes. See Note [Silent writes]."""
-    for w in info.silent_args:
-        t = arg_at(args, kwargs, w)
-        h = arg_at(h_args, h_kwargs, w)
-        if not isinstance(t, torch.Tensor) or not isinstance(h, Handle) or h.node_index < 0:
-            continue
-        if h.reason is None:
-            hold(region, h, t, graph.SILENT_WRITE)
-        elif h.reason is graph.POLICY or h.reason is graph.TAG:
-            h.reason = graph.SILENT_WRITE  # already an alias; ``before_write`` must not copy it
+__all__ = ["restore", "write_state"]
 
 
 # Note [Failed in-place ops]

@@ -1,5 +1,5 @@
 """Writes through other aliases: the region's history of each written storage, and stale
-tensors rebased on its last write. See Note [Mutation and views] (``mutation.py``), rule 3.
+tensors rebased on its last write. See Note [Mutation and views] (``writes.py``), rule 3.
 
 ``mutation.before_write`` notes each write (``note_write``), the recorder sets its result as
 the storage's new head (``after_write``), and ``Region.handle_of`` asks ``rebase`` for a
