@@ -47,21 +47,26 @@ __all__ = ["Blocks", "block_ids", "find_blocks", "module_blocks", "repeated_bloc
 #    c. then the class with the most top calls wins: stages made of blocks (ConvNeXt, Swin,
 #       ResNet, T5's encoder and decoder stacks) give their blocks, not themselves, and
 #       the downsampling layers between stages are outside every block;
-#    d. ties: the larger coverage, then the first class called.
+#    d. ties: the larger coverage, then the first class called;
+#    e. another branching candidate of the rest whose top calls overlap no block so far adds
+#       its calls as blocks: a UNet's attention layers between its ResNet blocks (a class
+#       nested in a chosen one, or containing it, always overlaps).
 #    Classes, not names, make this hold for blocks that a Python loop calls without a parent
 #    module (each is then an outermost module named ``""``) and for blocks spread over
 #    several containers.
-# 2. Module names (:func:`block_ids`), where op nodes carry no call records (a graph built
-#    by hand, or nodes made outside the module hooks).
+# 2. Module names (:func:`block_ids`), where module calls give fewer than two blocks (op
+#    nodes made outside the module hooks carry no call record).
 # 3. Repeated op sequences (:func:`repeated_blocks`), where modules say nothing (a functional
 #    model): the longest stretch of op names that repeats with a fixed period p (at least
-#    ``_MIN_PERIOD`` ops, twice or more), the smallest such p of the largest coverage; the
+#    ``_MIN_PERIOD`` ops, twice or more, covering at least ``_MIN_COVER`` of the ops: a short
+#    stretch repeats by chance), the smallest such p of the largest coverage; the
 #    period's phase is where the fewest values made before a boundary are read after it
 #    (a residual stream crosses a layer boundary alone; inside a layer more values are live).
 # Blocks are numbered in forward order; an op node outside every block is -1.
 
 _NEAR = 0.75
 _MIN_PERIOD = 3
+_MIN_COVER = 0.5
 
 
 @dataclass(frozen=True)
@@ -211,16 +216,20 @@ def repeated_blocks(g: SimGraph) -> Blocks:
     n = len(g.ops)
     codes: dict[str, int] = {}
     seq = torch.tensor([codes.setdefault(op.name, len(codes)) for op in g.ops], dtype=torch.long)
-    best: tuple[int, int, int, int] | None = None  # (coverage, -period, start, length)
+    best: tuple[int, int, int, int] | None = None  # (coverage, -period, start, span)
+    edge = torch.tensor([False])
     for p in range(_MIN_PERIOD, n // 2 + 1):
-        same = torch.cat([torch.tensor([False]), seq[p:] == seq[:-p], torch.tensor([False])])
-        edges = torch.nonzero(same[1:] != same[:-1]).flatten().tolist()
-        for start, stop in zip(edges[::2], edges[1::2], strict=True):
-            span = stop - start + p  # seq[start:start+span] has period p
-            cand = ((span // p) * p, -p, start, span)
-            if span // p >= 2 and (best is None or cand[:2] > best[:2]):
-                best = cand
-    if best is None:
+        same = torch.cat([edge, seq[p:] == seq[:-p], edge])
+        edges = torch.nonzero(same[1:] != same[:-1]).flatten()
+        starts, spans = edges[0::2], edges[1::2] - edges[0::2] + p  # seq[s:s+span]: period p
+        repeats = spans // p
+        if not bool((repeats >= 2).any()):
+            continue
+        i = int(torch.argmax(torch.where(repeats >= 2, repeats, 0)))
+        cand = (int(repeats[i]) * p, -p, int(starts[i]), int(spans[i]))
+        if best is None or cand[:2] > best[:2]:
+            best = cand
+    if best is None or best[0] < _MIN_COVER * n:
         return Blocks(tuple([-1] * n), "none")
     _, neg_p, start, span = best
     p = -neg_p
