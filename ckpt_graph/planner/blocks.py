@@ -50,12 +50,14 @@ __all__ = ["Blocks", "block_ids", "find_blocks", "module_blocks", "repeated_bloc
 #    d. ties: the larger coverage, then the first class called;
 #    e. another branching candidate of the rest whose top calls overlap no block so far adds
 #       its calls as blocks: a UNet's attention layers between its ResNet blocks (a class
-#       nested in a chosen one, or containing it, always overlaps).
+#       nested in a chosen one, or containing it, always overlaps);
+#    f. blocks that cover less than ``_MIN_COVER`` of the op nodes are no blocks: in a
+#       region over one layer the repeated calls (its linear layers) are parts of the layer.
 #    Classes, not names, make this hold for blocks that a Python loop calls without a parent
 #    module (each is then an outermost module named ``""``) and for blocks spread over
 #    several containers.
-# 2. Module names (:func:`block_ids`), where module calls give fewer than two blocks (op
-#    nodes made outside the module hooks carry no call record).
+# 2. Module names (:func:`block_ids`), where no op node carries a call record (op nodes
+#    made outside the module hooks). Where they do, names say nothing more than calls.
 # 3. Repeated op sequences (:func:`repeated_blocks`), where modules say nothing (a functional
 #    model): the longest stretch of op names that repeats with a fixed period p (at least
 #    ``_MIN_PERIOD`` ops, twice or more, covering at least ``_MIN_COVER`` of the ops: a short
@@ -196,6 +198,8 @@ def module_blocks(calls: Sequence[ModuleCall | None], g: SimGraph | None = None)
         if branching(cls) and not any(a[0] <= b[1] and b[0] <= a[1] for a in spans for b in taken):
             chosen.append(cls)
             taken += spans
+    if sum(cover[cls] for cls in chosen) < _MIN_COVER * len(calls):
+        return Blocks(tuple([-1] * len(calls)), "none")  # rule 1f: parts of one layer
     blocks = sorted((c for cls in chosen for c in tops[cls]), key=lambda c: span[c][0])
     ids = [-1] * len(calls)
     for b, c in enumerate(blocks):
@@ -263,8 +267,9 @@ def repeated_blocks(g: SimGraph) -> Blocks:
 
 
 def find_blocks(nodes: Sequence[OpNode], g: SimGraph | None = None) -> Blocks:
-    """Block number of each op node of a region, by the first of the three rules of Note
-    [Block boundaries] that finds two blocks or more.
+    """Block number of each op node of a region, by the first rule of Note [Block
+    boundaries] that finds two blocks or more (module calls, else names where no op node
+    has a call record, then repeated op sequences).
 
     Args:
         nodes: the region's op nodes (``region.nodes``).
@@ -276,9 +281,10 @@ def find_blocks(nodes: Sequence[OpNode], g: SimGraph | None = None) -> Blocks:
         found = module_blocks(calls, g)
         if found.count >= 2:
             return found
-    ids, container = _named([n.module_path for n in nodes])
-    if max(ids, default=-1) >= 1:
-        return Blocks(tuple(ids), f"names: {container}")
+    else:
+        ids, container = _named([n.module_path for n in nodes])
+        if max(ids, default=-1) >= 1:
+            return Blocks(tuple(ids), f"names: {container}")
     if g is not None and len(g.ops) == len(nodes):
         return repeated_blocks(g)
     return Blocks(tuple([-1] * len(nodes)), "none")

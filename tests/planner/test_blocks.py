@@ -178,6 +178,35 @@ def test_a_functional_model_gets_blocks_from_repeated_op_sequences() -> None:
     assert names[1:5] == ["mm", "relu", "mm", "add"]
 
 
+def test_a_region_over_one_layer_has_no_blocks() -> None:
+    # rule 1f: the layer's linear layers, norms and dropouts repeat, but are parts of it
+    layer = nn.TransformerEncoderLayer(16, 2, 32, 0.0, batch_first=True)
+    _, found = _record(lambda: layer(torch.randn(2, 5, 16)))
+    assert found.count == 0 and found.source == "none"
+
+
+class _Functional(nn.Module):
+    """One module whose forward loops over its weights: the calls say nothing."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w1 = nn.ParameterList(torch.randn(8, 16) for _ in range(n))
+        self.w2 = nn.ParameterList(torch.randn(16, 8) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x)
+        for w1, w2 in zip(self.w1, self.w2, strict=True):
+            h = h + torch.relu(h @ w1) @ w2
+        return h
+
+
+def test_calls_that_say_nothing_fall_back_to_the_graph() -> None:
+    model, x = _Functional(5), torch.randn(4, 8)
+    region, found = _record(lambda: model(x))
+    assert all(n.module_call is not None for n in region.nodes[:-1])  # the last: sum()
+    assert found.source == "graph: period 4" and found.count == 5
+
+
 def test_no_blocks_where_nothing_repeats() -> None:
     x = torch.randn(4, 8, requires_grad=True)
     _, found = _record(lambda: torch.tanh(x @ x.t()).exp())
