@@ -112,7 +112,7 @@ PLANNER_LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("graph", "simulator", "records"),
     ),
     "adapters": (
-        ("from_region", "workspaces", "cost_model", "region_graph"),
+        ("from_region", "workspaces", "cost_model", "region_graph", "blocks"),
         ("graph", "simulator", "records", "solver"),
     ),
     "plans": (
@@ -149,6 +149,9 @@ RECORDS_ELSEWHERE: dict[str, str] = {
     # The policy's report extends PlanReport with its step and prints it with budget_report's
     # tables; only memory_budget builds one.
     "BudgetReport": "the policy's report, with its table",
+    # The block finder's answer carries the engine's module-call records (an adapter's
+    # result); the solver layers below never see it, only the block numbers.
+    "Blocks": "the block finder's answer, with engine module calls",
 }
 
 RECORD_HOMES = (f"{PLANNER}.records", f"{PLANNER}.sim_graph")

@@ -1,9 +1,11 @@
-"""Groups of consecutive blocks for ``torch-sqrt``: which blocks chain, and one checkpoint per group.
+"""Blocks and groups of consecutive blocks for ``torch-sqrt``: which blocks chain, one checkpoint per group.
 
-torch.utils.checkpoint over a group of blocks needs one function that runs the whole group.
-That is only possible where each block of the group takes the previous block's output and
-nothing happens between them. :func:`chain_groups` finds where that holds by watching one
-forward; :func:`group_forwards` turns the groups into patched block forwards.
+:func:`block_modules` finds a model's blocks as the planner's hand seeds see them (the same
+``planner.blocks.find_blocks``), as modules. torch.utils.checkpoint over a group of blocks
+needs one function that runs the whole group. That is only possible where each block of the
+group takes the previous block's output and nothing happens between them. :func:`chain_groups`
+finds where that holds by watching one forward; :func:`group_forwards` turns the groups into
+patched block forwards.
 
 Example:
     >>> from ckpt_graph.compare.zoo import build_workload
@@ -14,15 +16,19 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from ckpt_graph._errors import CkptGraphValueError
+from ckpt_graph.engine.api import save_recompute_policy
+from ckpt_graph.planner.blocks import find_blocks
+from ckpt_graph.planner.from_region import from_region
 
-__all__ = ["chain_groups", "first_tensor", "group_forwards"]
+__all__ = ["block_modules", "chain_groups", "first_tensor", "group_forwards"]
 
 # Note [Block chains]
 # A model written as ``for block in blocks: h = block(h, **shared)`` lets torch-sqrt run blocks
@@ -109,20 +115,51 @@ def _probe(
 
         return hook
 
-    buffers = [b.detach().clone() for b in model.buffers()]
     try:
         for i, block in enumerate(blocks):
             handles.append(block.register_forward_pre_hook(pre(i), with_kwargs=True))
             handles.append(block.register_forward_hook(post(i), with_kwargs=True))
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        with _no_step(model), torch.no_grad():
             model(*inputs)
     finally:
         for h in handles:
             h.remove()
+    return calls
+
+
+@contextlib.contextmanager
+def _no_step(model: nn.Module) -> Iterator[None]:
+    """A look at one forward that is not a training step: RNG state and buffers restored."""
+    buffers = [b.detach().clone() for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
         with torch.no_grad():
             for b, saved in zip(model.buffers(), buffers, strict=True):
-                b.copy_(saved)  # BatchNorm running stats: the probe is not a training step
-    return calls
+                b.copy_(saved)  # BatchNorm running stats
+
+
+def block_modules(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> list[nn.Module]:
+    """The blocks of ``model`` that the planner's hand seeds use, in forward order.
+
+    Records one forward of ``model(*inputs)`` in a ckpt_graph region (RNG state and buffers
+    restored, no backward) and maps the module calls that Note [Block boundaries] picks to
+    the model's submodules; a block module called twice is listed once.
+
+    Example:
+        >>> from ckpt_graph.compare.zoo import build_workload
+        >>> w = build_workload("mlp", layers=4, width=16, batch=4)
+        >>> block_modules(w.model, w.inputs) == list(w.blocks)
+        True
+    """
+    with _no_step(model), save_recompute_policy("recompute_all") as region:
+        model(*inputs)
+    g = from_region(region, dict.fromkeys(range(len(region.nodes)), 1), [])
+    found = find_blocks(region.nodes, g)
+    by_id = {id(m): m for m in model.modules()}
+    ordered = dict.fromkeys(c.module_id for c in found.calls if c.module_id in by_id)
+    return [by_id[i] for i in ordered]
 
 
 def chain_groups(

@@ -27,12 +27,15 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._ops import OpOverload
 
 from ckpt_graph.engine.op_info import OpInfo
+
+if TYPE_CHECKING:
+    from ckpt_graph.engine.modules import ModuleCall
 
 __all__ = ["Handle", "KeptReason", "OpNode", "arg_at", "version_of"]
 
@@ -256,6 +259,8 @@ class OpNode:
         decided_by: name of the policy that set the decision (``""`` for the default,
             ``"engine"`` for an op node the engine added).
         module_path: qualified name of the innermost module running the op.
+        module_call: the innermost module call running the op (``None`` outside modules);
+            see Note [Module path tracking].
         flops: estimated FLOPs of one run (filled lazily; -1 until asked).
         stack: Python stack of the forward call (only with ``debug=True``).
         checksums: per output, a checksum of the forward value (only with ``debug=True``).
@@ -278,6 +283,7 @@ class OpNode:
     decision: Any = None
     decided_by = ""
     module_path = ""
+    module_call: ModuleCall | None = None
     flops = -1
     stack: str | None = None
     checksums: tuple[tuple[float, float, float] | None, ...] | None = None

@@ -22,13 +22,48 @@ from torch.nn.modules import module as _module
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ModuleStack", "install_hooks", "uninstall_hooks"]
+__all__ = ["ModuleCall", "ModuleStack", "install_hooks", "uninstall_hooks"]
+
+
+class ModuleCall:
+    """One forward call of a module inside a region. See Note [Module path tracking].
+
+    Attributes:
+        index: the call's position among the region's module calls, in call order.
+        cls: the module's class.
+        module_id: ``id()`` of the module (the module is alive while the region records).
+        parent: the call of the module whose forward made this call; ``None`` outermost.
+        path: the module's qualified name, as ``ctx.module_path`` says it.
+    """
+
+    __slots__ = ("cls", "index", "module_id", "parent", "path")
+
+    def __init__(
+        self, index: int, cls: type, module_id: int, parent: ModuleCall | None, path: str
+    ) -> None:
+        self.index = index
+        self.cls = cls
+        self.module_id = module_id
+        self.parent = parent
+        self.path = path
+
+    def __repr__(self) -> str:
+        return f"ModuleCall({self.index}, {self.cls.__name__}, {self.path!r})"
 
 
 class ModuleStack:
     """The modules whose forward is running in one region, outermost first."""
 
-    __slots__ = ("_names", "_paths", "_root", "_stack", "current_path")
+    __slots__ = (
+        "_calls",
+        "_count",
+        "_names",
+        "_paths",
+        "_root",
+        "_stack",
+        "current_call",
+        "current_path",
+    )
 
     def __init__(self) -> None:
         self._stack: list[torch.nn.Module] = []
@@ -36,6 +71,9 @@ class ModuleStack:
         self._root: torch.nn.Module | None = None
         self._names: dict[int, str] = {}
         self.current_path = ""  # path() of the top of the stack, kept up to date
+        self._calls: list[ModuleCall] = []
+        self._count = 0  # calls so far in the region: ModuleCall.index
+        self.current_call: ModuleCall | None = None  # the top of the stack's call record
 
     def push(self, module: torch.nn.Module) -> None:
         if not self._stack and module is not self._root:
@@ -45,14 +83,22 @@ class ModuleStack:
         name = self._names.get(id(module))
         self.current_path = name if name is not None else type(module).__name__
         self._paths.append(self.current_path)
+        call = ModuleCall(
+            self._count, type(module), id(module), self.current_call, self.current_path
+        )
+        self._count += 1
+        self._calls.append(call)
+        self.current_call = call
 
     def pop(self, module: torch.nn.Module) -> None:
         # A forward that raised may leave entries above ``module``: unwind to it.
         while self._stack:
             self._paths.pop()
+            self._calls.pop()
             if self._stack.pop() is module:
                 break
         self.current_path = self._paths[-1] if self._paths else ""
+        self.current_call = self._calls[-1] if self._calls else None
 
     def current(self) -> torch.nn.Module | None:
         return self._stack[-1] if self._stack else None
@@ -63,7 +109,9 @@ class ModuleStack:
     def clear(self) -> None:
         self._stack.clear()
         self._paths.clear()
+        self._calls.clear()
         self.current_path = ""
+        self.current_call = None
         self._root = None
         self._names = {}
 

@@ -58,6 +58,7 @@ def record_node(
     node.decision = region._constant
     node.decided_by = region._constant_by
     node.module_path = region._modules.current_path
+    node.module_call = region._modules.current_call
     if rng is not None:
         node.rng = rng
     for h in inputs:

@@ -25,12 +25,10 @@
 #     every block (embedding, head, loss).
 # A value is kept through the op owning its storage (a view's base), when that op is a
 # candidate; values the plan cannot keep (region inputs, fixed values) are kept anyway.
-# Blocks are the children of the top-level repeated module: for each op's module path
-# (``OpNode.module_path``, e.g. ``"blocks.3.attn.c_attn"``) the prefix up to its first numeric
-# component names a child (``"blocks"``, ``"3"``); the container with the most distinct
-# children (at least 2) is the block list (a ``ModuleList`` of layers, HF's
-# ``transformer.h``), its children numbered in forward order. A region over one layer has
-# no blocks: only ``matmuls`` is tried.
+# Blocks come from ``blocks.find_blocks`` (Note [Block boundaries]): the module calls that
+# ran each op (blocks called in a loop without a parent module, stages of blocks with
+# downsampling layers between them), else module names, else repeated op sequences. A region
+# over one layer has no blocks: only the matmul seeds are tried.
 # Measured (tests/planner/test_planner_dominance.py): on synthetic 6-block graphs, at the peak of
 # "block inputs" the other seeds found no plan that fits in 6 of 12 graphs (9 blocks: 11 of
 # 12, also at "blocks/2"); with hand seeds every answer costs at most each fitting hand
@@ -45,7 +43,7 @@ from collections.abc import Sequence
 from ckpt_graph.planner.liveness import SimGraph
 from ckpt_graph.policies.builtins import MATMUL_OP_NAMES
 
-__all__ = ["MATMUL_OPS", "block_ids", "hand_seeds"]
+__all__ = ["MATMUL_OPS", "hand_seeds"]
 
 # At most this many ``dense matmuls/<r>`` seeds (Note [Hand seeds]).
 _DENSITY_SEEDS = 8
@@ -59,33 +57,6 @@ def short_name(name: str) -> str:
     """``"aten.mm.default"`` -> ``"mm"``."""
     parts = name.split(".")
     return parts[1] if len(parts) >= 3 else name
-
-
-def block_ids(paths: Sequence[str]) -> list[int]:
-    """Block number of each op (-1 outside blocks) from its module path. See Note [Hand seeds].
-
-    Example:
-        >>> block_ids(["", "blocks.0.ln", "blocks.0", "blocks.1.mlp.0", "head"])
-        [-1, 0, 0, 1, -1]
-    """
-    keys: list[tuple[str, str] | None] = []
-    children: dict[str, dict[str, int]] = {}
-    for path in paths:
-        key = None
-        parts = path.split(".") if path else []
-        for i in range(1, len(parts)):
-            if parts[i].isdigit():
-                key = (".".join(parts[:i]), parts[i])
-                kids = children.setdefault(key[0], {})
-                kids.setdefault(key[1], len(kids))
-                break
-        keys.append(key)
-    if not children:
-        return [-1] * len(paths)
-    container, kids = max(children.items(), key=lambda kv: len(kv[1]))  # first on ties
-    if len(kids) < 2:
-        return [-1] * len(paths)
-    return [kids[k[1]] if k is not None and k[0] == container else -1 for k in keys]
 
 
 def _dense_matmuls(g: SimGraph, matmuls: frozenset[int]) -> dict[str, frozenset[int]]:
@@ -118,7 +89,7 @@ def hand_seeds(
         g: the region's graph.
         candidates: ops a plan may keep.
         blocks: block number of each op of ``g`` (-1 outside blocks), e.g. from
-            :func:`block_ids`; ``None`` or a length other than ``len(g.ops)``: no blocks.
+            ``blocks.find_blocks``; ``None`` or a length other than ``len(g.ops)``: no blocks.
 
     Example:
         >>> hand_seeds(graph, candidate_ops(graph), [-1, 0, 0, 1, 1, -1])  # doctest: +SKIP

@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ckpt_graph.engine.holding import without_history
+from ckpt_graph.planner.blocks import find_blocks
 from ckpt_graph.planner.from_region import from_region
-from ckpt_graph.planner.hand_seeds import block_ids, hand_seeds
+from ckpt_graph.planner.hand_seeds import hand_seeds
 from ckpt_graph.planner.liveness import simulate
 from ckpt_graph.planner.records import RegionGraph
 from ckpt_graph.planner.sim_graph import SimGraph
@@ -72,7 +73,7 @@ def region_graph(region: Region, run: Run, costs: dict[int, int]) -> RegionGraph
             free.append(j)
     g = from_region(region, costs, free)
     candidates = candidate_ops(g, free)
-    hand = hand_seeds(g, candidates, block_ids([n.module_path for n in region.nodes]))
+    hand = hand_seeds(g, candidates, find_blocks(region.nodes, g).ids)
     own = {g.values[v].storage for _, v in g.saved if g.values[v].producer >= run.start}
     baseline = sum(g.values[s].nbytes for s in own if g.values[s].producer >= 0)
     outside = fixed_before(g, run.start)

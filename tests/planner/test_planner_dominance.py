@@ -11,6 +11,7 @@ import torch
 
 import ckpt_graph as cg
 from ckpt_graph.compare.zoo import build_workload
+from ckpt_graph.planner.blocks import block_ids
 from ckpt_graph.planner.cost_model import (
     FLOPS_PER_BYTE_ENV,
     calibrated_flops_per_byte,
@@ -19,7 +20,7 @@ from ckpt_graph.planner.cost_model import (
     recorded_costs,
 )
 from ckpt_graph.planner.from_region import from_region
-from ckpt_graph.planner.hand_seeds import block_ids, hand_seeds
+from ckpt_graph.planner.hand_seeds import hand_seeds
 from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue, simulate
 from ckpt_graph.planner.solve import candidate_ops, solve
 from ckpt_graph.policies import memory_budget
