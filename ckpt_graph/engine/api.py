@@ -116,8 +116,8 @@ class save_recompute_policy:
                 if hooks is not None:
                     exits.enter_context(hooks)
             self._region = region
-            region._push(self._policy)
-            exits.callback(region._pop)
+            region.policy_stack.push(region, self._policy)
+            exits.callback(region.policy_stack.pop, region)
             self._exits = exits.pop_all()
         return region
 

@@ -55,8 +55,9 @@ def record_node(
     index = len(nodes)
     node = OpNode(index, op, info, h_args, h_kwargs, inputs)
     # A constant policy stack decides every op alike; ``decide`` asks callable ones.
-    node.decision = region._constant
-    node.decided_by = region._constant_by
+    stack = region.policy_stack
+    node.decision = stack.constant
+    node.decided_by = stack.constant_by
     node.module_path = region._modules.current_path
     if rng is not None:
         node.rng = rng
@@ -140,13 +141,14 @@ def decide(
     """
     decision = node.decision
     if decision is None:
-        ctx = region._ctx
+        stack = region.policy_stack
+        ctx = stack.ctx
         assert ctx is not None
         ctx._set(node.index, node.op, node.info, out, args, kwargs)
         region._recording = False  # a policy's own tensor ops are not part of the region
         try:
             decision, node.decided_by = resolve(
-                region._policies, ctx, out, node.op, args, kwargs, region._policy_names
+                stack.policies, ctx, out, node.op, args, kwargs, stack.names
             )
         finally:
             region._recording = True

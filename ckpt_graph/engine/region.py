@@ -2,7 +2,7 @@
 
 A region is opened by the outermost ``save_recompute_policy`` block of a thread (see
 ``api.py``) and closed when that block exits; inner blocks push their policy onto it
-(``_push`` / ``_pop``). While open, its :class:`~ckpt_graph.engine.record.Recorder` records
+(``policy_stack``). While open, its :class:`~ckpt_graph.engine.record.Recorder` records
 every aten op and its saved-tensor hooks pack handles instead of tensors (``hooks.py``).
 This module holds the region's state and lifecycle, its map from tensors to handles
 (``handle_of``) and tags; recording is in ``record.py``, backward in ``realize.py``.
@@ -22,7 +22,7 @@ from ckpt_graph.engine import graph
 from ckpt_graph.engine import modules as _modules
 from ckpt_graph.engine.cache_bound import parse_cache_limit
 from ckpt_graph.engine.debug import kept_checksums
-from ckpt_graph.engine.decisions import POLICY_NAMES, PolicyContext, PolicyFn, policy_name, resolve
+from ckpt_graph.engine.decisions import PolicyContext, PolicyFn
 from ckpt_graph.engine.decisions import to_decision as _to_decision
 from ckpt_graph.engine.graph import Handle, OpNode, version_of
 from ckpt_graph.engine.holding import detached, hold, unhold
@@ -30,6 +30,7 @@ from ckpt_graph.engine.hooks import pack_hook_for, unpack_hook_for_autograd
 from ckpt_graph.engine.offload import Offloader
 from ckpt_graph.engine.outputs import KEPT_ON_HOST as _KEPT_ON_HOST
 from ckpt_graph.engine.passes import PassState
+from ckpt_graph.engine.policy_stack import PolicyStack
 from ckpt_graph.engine.record import Recorder
 from ckpt_graph.engine.release import count_live_uses, lose_use
 from ckpt_graph.engine.replay import REPLAY_GLOBALS, replay_globals
@@ -64,6 +65,9 @@ class Region:
         opened_by: which integration opened the region (``"ckpt_graph.wrap: layers.3
             (Block)"``), or ``""`` for a plain ``save_recompute_policy`` block (see Note
             [Integrations say when they are active]).
+        policy_stack: (engine state, like every attribute below: the engine's modules read
+            and change it; policies and users must not) the policies of the open blocks and
+            what they decide alike (:class:`~ckpt_graph.engine.policy_stack.PolicyStack`).
 
     Invariants:
         Nothing outside refers to a region except the packed saved tensors autograd holds
@@ -87,12 +91,9 @@ class Region:
         self.kept_bytes = 0
         self.debug = debug
         self.cache_limit = parse_cache_limit(cache_limit)
-        self._policies: list[PolicyFn] = []
-        self._policy_names: list[str] = []  # parallel to ``_policies``, for ``decided_by``
+        self.policy_stack = PolicyStack()
         # dispatch keys seen by ``holding.detached`` and the ones it derives from them
         self._alias_keys: tuple[Any, Any, Any] | None = None
-        self._constant: CheckpointPolicy | None = None
-        self._constant_by = ""  # the name that decided ``_constant``
         self._ids: dict[int, Handle] = {}
         self._shapes: dict[torch.Size, torch.Size] = {}  # See Note [One recording path].
         self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # likewise, saved tensors
@@ -105,7 +106,6 @@ class Region:
         self._closed = False
         self._task = -1
         self._live_packs = 0
-        self._ctx: PolicyContext | None = None
         self._modules = _modules.ModuleStack()
         self._exits = ExitStack()  # while open: what closing undoes
         self._hook_fns: tuple[Any, Any] | None = None  # while open: refers to the region
@@ -126,7 +126,7 @@ class Region:
             )
         self._task = torch._C._current_graph_task_id()
         self._globals = replay_globals()
-        self._ctx = PolicyContext(self)
+        self.policy_stack.ctx = PolicyContext(self)
         self._hook_fns = (pack_hook_for(self), unpack_hook_for_autograd())
         with ExitStack() as exits:  # undone in reverse order, also if a step raises
             _tls.region = self
@@ -161,7 +161,7 @@ class Region:
         self._storages = {}
         self._shapes = {}
         self._strides = {}
-        self._ctx = None
+        self.policy_stack.ctx = None
         self._modules.clear()
         if self._live_packs == 0:
             self._release()
@@ -273,48 +273,10 @@ class Region:
         return h
 
     # ----------------------------------------------------------------- policies
-    # Note [Failed policy push]
-    # A policy's ``on_region_enter`` may raise (a bad argument, a budget that cannot be
-    # planned). The block that pushed it then never runs, so nothing it pushed may stay: the
-    # policy is taken off the stack again before the error propagates, and later ops of an
-    # enclosing block are decided as if the failed block had never been entered.
-    def _push(self, policy: PolicyFn) -> None:
-        self._policies.append(policy)
-        self._policy_names.append(policy_name(policy))
-        self._update_constant()
-        hook = getattr(policy, "on_region_enter", None)
-        if hook is not None:
-            try:
-                hook(self)
-            except BaseException:  # See Note [Failed policy push].
-                self._policies.pop()
-                self._policy_names.pop()
-                self._update_constant()
-                raise
-
-    def _pop(self) -> None:
-        policy = self._policies.pop()
-        self._policy_names.pop()
-        self._update_constant()
-        hook = getattr(policy, "on_region_exit", None)
-        if hook is not None:
-            hook(self)
-
-    def _update_constant(self) -> None:
-        # A stack of string-named policies decides every op alike, without calling anything
-        # (the op node is made with the decision; see ``record_node``).
-        consts = [p for p in self._policies if p in POLICY_NAMES.values()]
-        self._constant = None
-        self._constant_by = ""
-        if self._policies and len(consts) == len(self._policies):
-            self._constant, self._constant_by = resolve(
-                self._policies, PolicyContext(self), None, None, (), {}, self._policy_names
-            )
-
     @property
     def policies(self) -> tuple[PolicyFn, ...]:
         """The policy stack, outermost first."""
-        return tuple(self._policies)
+        return tuple(self.policy_stack.policies)
 
     def tag(self, t: torch.Tensor, policy: CheckpointPolicy | bool) -> None:
         """Override the decision for the value ``t`` holds. See ``tag_with_policy``."""
