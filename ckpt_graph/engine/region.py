@@ -34,6 +34,7 @@ from ckpt_graph.engine.policy_stack import PolicyStack
 from ckpt_graph.engine.record import Recorder
 from ckpt_graph.engine.release import count_live_uses, lose_use
 from ckpt_graph.engine.replay import REPLAY_GLOBALS, replay_globals
+from ckpt_graph.engine.saved_log import SavedLog
 from ckpt_graph.engine.storage_history import StorageHistory, rebase
 
 __all__ = ["Region", "current_region"]
@@ -68,6 +69,8 @@ class Region:
         policy_stack: (engine state, like every attribute below: the engine's modules read
             and change it; policies and users must not) the policies of the open blocks and
             what they decide alike (:class:`~ckpt_graph.engine.policy_stack.PolicyStack`).
+        saved_log: the tensors autograd saved and the packs it still holds
+            (:class:`~ckpt_graph.engine.saved_log.SavedLog`).
 
     Invariants:
         Nothing outside refers to a region except the packed saved tensors autograd holds
@@ -85,9 +88,7 @@ class Region:
     def __init__(self, debug: bool = False, cache_limit: int | str | None = None) -> None:
         self.nodes: list[OpNode] = []
         self.inputs: list[Handle] = []
-        self._saved: list[tuple[int, Handle]] = []  # See Note [Saved tensor records].
-        self._saved_at: list[int] = []
-        self._saved_handles: list[Handle] = []
+        self.saved_log = SavedLog()
         self.kept_bytes = 0
         self.debug = debug
         self.cache_limit = parse_cache_limit(cache_limit)
@@ -96,7 +97,6 @@ class Region:
         self._alias_keys: tuple[Any, Any, Any] | None = None
         self._ids: dict[int, Handle] = {}
         self._shapes: dict[torch.Size, torch.Size] = {}  # See Note [One recording path].
-        self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # likewise, saved tensors
         self._by_storage: dict[int, list[Handle]] | None = None
         self._storages: dict[int, StorageHistory] = {}  # See Note [Mutation and views].
         self._writing: StorageHistory | None = None
@@ -105,7 +105,6 @@ class Region:
         self._open = False
         self._closed = False
         self._task = -1
-        self._live_packs = 0
         self._modules = _modules.ModuleStack()
         self._exits = ExitStack()  # while open: what closing undoes
         self._hook_fns: tuple[Any, Any] | None = None  # while open: refers to the region
@@ -160,10 +159,10 @@ class Region:
         self._by_storage = None
         self._storages = {}
         self._shapes = {}
-        self._strides = {}
+        self.saved_log.strides.clear()
         self.policy_stack.ctx = None
         self._modules.clear()
-        if self._live_packs == 0:
+        if self.saved_log.live_packs == 0:
             self._release()
         else:
             count_live_uses(self)
@@ -204,21 +203,11 @@ class Region:
                         _free_weak_ref(o.storage)
                         o.storage = 0
 
-    # Note [Saved tensor records]
-    # The pack hook runs for every tensor autograd saves; it records the position and the
-    # handle in two flat lists, and ``saved`` pairs them up when read (the budget policy
-    # and introspection read it; plain recording never does). Appending to two lists
-    # creates no object, where a tuple per save would be one more object for the garbage
-    # collector to walk (see Note [One recording path]).
     @property
     def saved(self) -> list[tuple[int, Handle]]:
         """Every tensor autograd saved in the region, in order: ``(number of op nodes
         recorded before the save, handle)``. See Note [Saved tensor records]."""
-        saved = self._saved
-        n = len(saved)
-        if n < len(self._saved_handles):
-            saved.extend(zip(self._saved_at[n:], self._saved_handles[n:], strict=True))
-        return saved
+        return self.saved_log.pairs()
 
     # ----------------------------------------------------------------- handles
     def _settle(self) -> None:
@@ -302,15 +291,23 @@ class Region:
             unhold(self, h)
 
     # ----------------------------------------------------------------- backward
-    def _pack_released(self, h: Handle) -> None:
-        self._live_packs -= 1
+    def pack_released(self, h: Handle) -> None:
+        """Autograd let go of a packed saved tensor of ``h``. See Note [Packed lifetime]."""
+        log = self.saved_log
+        log.live_packs -= 1
         if self._closed:
-            if self._live_packs == 0:
+            if log.live_packs == 0:
                 self._release()
             else:
                 lose_use(self, h)
 
     # ----------------------------------------------------------------- introspection
+    @property
+    def released(self) -> bool:
+        """Whether the region has exited and autograd let go of every saved tensor of it:
+        it holds no tensor anymore, only metadata (see Note [Packed lifetime])."""
+        return self._closed and self.saved_log.live_packs == 0
+
     # See ckpt_graph/analysis/export.py.
     @property
     def graph(self) -> Any:

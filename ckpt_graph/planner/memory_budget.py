@@ -214,7 +214,7 @@ class MemoryBudget:
             region.kept_bytes,
             plans,
             len(region.inputs),
-            len(region._saved_handles),
+            len(region.saved_log),
             exact=list(plans),
         )
 
@@ -229,7 +229,7 @@ class MemoryBudget:
         del self._runs[id(region)]
         if self.check:  # only the measured check's breakdown needs the parameters
             self._check.note_region(region)
-        if len(region._saved_handles) == run.saved_at_enter:  # saved nothing: not planned (rule 7)
+        if len(region.saved_log) == run.saved_at_enter:  # saved nothing: not planned (rule 7)
             self._step = [r for r in self._step if r() is not region]
             return
         n = len(run.signature)
@@ -568,4 +568,4 @@ def _done(region: Region | None) -> bool:
     """Whether a region of the current step is finished (backward ran, or released)."""
     if region is None:
         return True
-    return region._pass.number > 0 or (region._closed and region._live_packs == 0)
+    return region._pass.number > 0 or region.released
