@@ -283,11 +283,11 @@ def tag_with_policy(tensor: torch.Tensor, policy: CheckpointPolicy | bool) -> to
             f"`policy`, got {type(policy).__name__}"
         )
     region = current_region()
-    if region is None or not region._recording:
+    if region is None or not region.recording.on:
         raise CkptGraphError(
             "ckpt_graph: tag_with_policy called outside a region; call it inside a "
             "`with ckpt_graph.save_recompute_policy(...)` block, on a tensor computed there"
         )
-    region._settle()
+    region.settle()
     region.tag(tensor, policy)
     return tensor

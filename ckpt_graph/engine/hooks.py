@@ -72,14 +72,14 @@ def pack_hook_for(region: Region) -> Callable[[torch.Tensor], Any]:
     """
     current_task = torch._C._current_graph_task_id
     handle_of = region.handle_of
-    log = region.saved_log
+    log, recording = region.saved_log, region.recording
     saved_at, saved_handles, strides, nodes = log.at, log.handles, log.strides, region.nodes
 
     def pack_hook(t: torch.Tensor) -> Any:
-        if not region._recording or current_task() != region._task:
+        if not recording.on or current_task() != recording.task:
             return t
-        if region._unsettled:
-            region._settle()
+        if recording.unsettled:
+            region.settle()
         h = handle_of(t)
         h.forward_uses += 1
         if h.device is None:

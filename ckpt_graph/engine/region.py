@@ -32,10 +32,11 @@ from ckpt_graph.engine.outputs import KEPT_ON_HOST as _KEPT_ON_HOST
 from ckpt_graph.engine.passes import PassState
 from ckpt_graph.engine.policy_stack import PolicyStack
 from ckpt_graph.engine.record import Recorder
+from ckpt_graph.engine.recording_state import RecordingState
 from ckpt_graph.engine.release import count_live_uses, lose_use
 from ckpt_graph.engine.replay import REPLAY_GLOBALS, replay_globals
 from ckpt_graph.engine.saved_log import SavedLog
-from ckpt_graph.engine.storage_history import StorageHistory, rebase
+from ckpt_graph.engine.storage_history import rebase
 
 __all__ = ["Region", "current_region"]
 
@@ -71,6 +72,8 @@ class Region:
             what they decide alike (:class:`~ckpt_graph.engine.policy_stack.PolicyStack`).
         saved_log: the tensors autograd saved and the packs it still holds
             (:class:`~ckpt_graph.engine.saved_log.SavedLog`).
+        recording: what the recorder and the mutation rules track while the region
+            records (:class:`~ckpt_graph.engine.recording_state.RecordingState`).
 
     Invariants:
         Nothing outside refers to a region except the packed saved tensors autograd holds
@@ -93,18 +96,9 @@ class Region:
         self.debug = debug
         self.cache_limit = parse_cache_limit(cache_limit)
         self.policy_stack = PolicyStack()
-        # dispatch keys seen by ``holding.detached`` and the ones it derives from them
-        self._alias_keys: tuple[Any, Any, Any] | None = None
-        self._ids: dict[int, Handle] = {}
-        self._shapes: dict[torch.Size, torch.Size] = {}  # See Note [One recording path].
-        self._by_storage: dict[int, list[Handle]] | None = None
-        self._storages: dict[int, StorageHistory] = {}  # See Note [Mutation and views].
-        self._writing: StorageHistory | None = None
-        self._unsettled: list[Handle] = []
-        self._recording = False
+        self.recording = RecordingState()
         self._open = False
         self._closed = False
-        self._task = -1
         self._modules = _modules.ModuleStack()
         self._exits = ExitStack()  # while open: what closing undoes
         self._hook_fns: tuple[Any, Any] | None = None  # while open: refers to the region
@@ -123,7 +117,7 @@ class Region:
                 "inference mode saves nothing for backward; leave the region out, or run it "
                 "under torch.no_grad() instead"
             )
-        self._task = torch._C._current_graph_task_id()
+        self.recording.task = torch._C._current_graph_task_id()
         self._globals = replay_globals()
         self.policy_stack.ctx = PolicyContext(self)
         self._hook_fns = (pack_hook_for(self), unpack_hook_for_autograd())
@@ -136,7 +130,7 @@ class Region:
             exits.enter_context(Recorder(self))
             self._exits = exits.pop_all()
         self._open = True
-        self._recording = True
+        self.recording.on = True
 
     def _hooks_for_nested_block(self) -> Any:
         """Saved-tensor hooks a nested block must push again, or ``None``.
@@ -150,15 +144,13 @@ class Region:
         return torch.autograd.graph.saved_tensors_hooks(*fns)
 
     def _close_region(self) -> None:
-        self._recording = False
+        self.recording.on = False
         self._open = False
         self._closed = True
         self._exits.close()
         self._hook_fns = None
-        self._settle()
-        self._by_storage = None
-        self._storages = {}
-        self._shapes = {}
+        self.settle()
+        self.recording.finish()
         self.saved_log.strides.clear()
         self.policy_stack.ctx = None
         self._modules.clear()
@@ -210,7 +202,7 @@ class Region:
         return self.saved_log.pairs()
 
     # ----------------------------------------------------------------- handles
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Read the versions of the last op's in-place and view outputs.
 
         Autograd bumps the version counter of a written tensor, and makes a view share its
@@ -218,7 +210,8 @@ class Region:
         autograd's own bookkeeping, so the versions are read when the region next sees any
         tensor (next op, saved tensor, tag, exit). See Note [Mutation and views], rule 5.
         """
-        for h in self._unsettled:
+        unsettled = self.recording.unsettled
+        for h in unsettled:
             t = h.ref() if h.ref is not None else None
             if t is not None:
                 h.version = version_of(t)
@@ -226,18 +219,19 @@ class Region:
                     # A view got its base's version counter only now: alias it again.
                     h.value = detached(self, t)
                     h.copied = False
-        self._unsettled.clear()
+        unsettled.clear()
 
     def lookup(self, t: torch.Tensor) -> Handle | None:
         """The handle of the value ``t`` held when last seen in the region, or ``None``."""
-        h = self._ids.get(id(t))
+        h = self.recording.ids.get(id(t))
         if h is None or h.ref is None or h.ref() is not t:
             return None
         return h
 
     def handle_of(self, t: torch.Tensor) -> Handle:
         """The handle of the value ``t`` holds now; a new kept input handle if unseen."""
-        old = self._ids.get(id(t))
+        ids = self.recording.ids
+        old = ids.get(id(t))
         if old is not None and old.ref is not None and old.ref() is t:
             try:  # inlined version_of(): this runs for every tensor argument
                 version = t._version
@@ -247,17 +241,17 @@ class Region:
                 return old
             # Changed through another alias: a view sharing its version counter, or one
             # with a counter of its own (`.data`), which leaves the version as it was.
-            if self._recording:
+            if self.recording.on:
                 rebased = rebase(self, t, old)
                 if rebased is not None:
-                    self._ids[id(t)] = rebased
+                    ids[id(t)] = rebased
                     return rebased
             reason = graph.MUTATED_ALIAS
         else:
             reason = graph.INPUT
         h = Handle(t, -1, -1, len(self.inputs))
         self.inputs.append(h)
-        self._ids[id(t)] = h
+        ids[id(t)] = h
         hold(self, h, t, reason)
         return h
 

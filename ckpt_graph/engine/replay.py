@@ -140,8 +140,9 @@ def _enter_replay(region: Region) -> _Replay:
     Plain functions rather than a context manager: this runs once per unpack that
     recomputes, where a generator-based manager costs measurable time.
     """
-    recording = region._recording  # False inside a policy's call, even in an open region
-    region._recording = False
+    state = region.recording
+    recording = state.on  # False inside a policy's call, even in an open region
+    state.on = False
     grad_was = torch.is_grad_enabled()
     _set_grad_enabled(False)
     autocast = _autocast_off() if _is_any_autocast_enabled() else None
@@ -159,7 +160,7 @@ def _exit_replay(region: Region, replay: _Replay) -> None:
     if autocast is not None:
         autocast.__exit__(None, None, None)
     _set_grad_enabled(grad_was)
-    region._recording = recording
+    region.recording.on = recording
 
 
 def _fresh_alias(t: torch.Tensor) -> torch.Tensor:

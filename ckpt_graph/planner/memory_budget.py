@@ -189,7 +189,8 @@ class MemoryBudget:
         if not torch.is_grad_enabled():  # not a training step: See Note [Memory budget policy]
             return
         if all(_done(r()) for r in self._step):  # a new step: plan the last one
-            recording, region._recording = region._recording, False  # not the region's ops
+            state = region.recording
+            recording, state.on = state.on, False  # not the region's ops
             try:
                 self._measured_step()
                 if not self._plan_step():
@@ -199,7 +200,7 @@ class MemoryBudget:
                 if self.check:
                     self._check.start(self._predicted())
             finally:
-                region._recording = recording
+                state.on = recording
         ordinal = len(self._step)
         self._step.append(weakref.ref(region))
         own = self._plans.get(ordinal)
