@@ -99,7 +99,7 @@ def _note_storage(h: Handle, t: torch.Tensor) -> None:
 
     A weak reference as a plain int, not a ``StorageWeakRef`` object: an object per saved
     value counts towards the garbage collector's passes (Note [One recording path], rule 3),
-    which cost more than ten times the reference itself. ``Region._release`` frees it.
+    which cost more than ten times the reference itself. Releasing the region frees it.
     """
     try:
         # torch's stubs type ``_weak_ref`` as returning a storage; it returns the int.

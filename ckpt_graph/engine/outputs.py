@@ -58,7 +58,7 @@ def record_node(
     stack = region.policy_stack
     node.decision = stack.constant
     node.decided_by = stack.constant_by
-    node.module_path = region._modules.current_path
+    node.module_path = region.module_stack.current_path
     if rng is not None:
         node.rng = rng
     for h in inputs:

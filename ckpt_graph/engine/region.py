@@ -38,7 +38,14 @@ from ckpt_graph.engine.replay import REPLAY_GLOBALS, replay_globals
 from ckpt_graph.engine.saved_log import SavedLog
 from ckpt_graph.engine.storage_history import rebase
 
-__all__ = ["Region", "current_region"]
+__all__ = [
+    "Region",
+    "changed_globals",
+    "close_region",
+    "current_region",
+    "nested_block_hooks",
+    "open_region",
+]
 
 _tls = threading.local()
 _free_weak_ref = torch.UntypedStorage._free_weak_ref
@@ -74,6 +81,12 @@ class Region:
             (:class:`~ckpt_graph.engine.saved_log.SavedLog`).
         recording: what the recorder and the mutation rules track while the region
             records (:class:`~ckpt_graph.engine.recording_state.RecordingState`).
+        module_stack: the modules whose forward is running, for op nodes' module paths
+            (:class:`~ckpt_graph.engine.modules.ModuleStack`).
+        forward_globals: the settings of Note [Replay globals] when the region opened,
+            which recomputation runs under (``None`` before it opened).
+        kept_sums: with ``debug``, the checksum of each kept value at region exit (see
+            Note [Kept value checks]).
 
     Invariants:
         Nothing outside refers to a region except the packed saved tensors autograd holds
@@ -99,75 +112,17 @@ class Region:
         self.recording = RecordingState()
         self._open = False
         self._closed = False
-        self._modules = _modules.ModuleStack()
+        self.module_stack = _modules.ModuleStack()
         self._exits = ExitStack()  # while open: what closing undoes
         self._hook_fns: tuple[Any, Any] | None = None  # while open: refers to the region
         self._pass = PassState()
-        self._kept_sums: dict[Handle, tuple[float, float, float]] = {}  # when debug
-        self._globals: tuple[Any, ...] | None = None  # See Note [Replay globals].
+        self.kept_sums: dict[Handle, tuple[float, float, float]] = {}
+        self.forward_globals: tuple[Any, ...] | None = None
         self.tagged: set[Handle] = set()  # values tag_with_policy decided for
         self.opened_by = ""  # See Note [Integrations say when they are active].
         self._offloader: Offloader | None = None  # made at the first offloaded value
 
-    # ----------------------------------------------------------------- lifecycle
-    def _open_region(self) -> None:
-        if torch.is_inference_mode_enabled():
-            raise CkptGraphError(
-                "ckpt_graph: save_recompute_policy cannot run under torch.inference_mode(): "
-                "inference mode saves nothing for backward; leave the region out, or run it "
-                "under torch.no_grad() instead"
-            )
-        self.recording.task = torch._C._current_graph_task_id()
-        self._globals = replay_globals()
-        self.policy_stack.ctx = PolicyContext(self)
-        self._hook_fns = (pack_hook_for(self), unpack_hook_for_autograd())
-        with ExitStack() as exits:  # undone in reverse order, also if a step raises
-            _tls.region = self
-            exits.callback(setattr, _tls, "region", None)
-            _modules.install_hooks(current_region)
-            exits.callback(_modules.uninstall_hooks)
-            exits.enter_context(torch.autograd.graph.saved_tensors_hooks(*self._hook_fns))
-            exits.enter_context(Recorder(self))
-            self._exits = exits.pop_all()
-        self._open = True
-        self.recording.on = True
-
-    def _hooks_for_nested_block(self) -> Any:
-        """Saved-tensor hooks a nested block must push again, or ``None``.
-
-        See Note [Foreign saved-tensor hooks].
-        """
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        fns = self._hook_fns
-        if not self._open or fns is None or (top is not None and top[0] is fns[0]):
-            return None
-        return torch.autograd.graph.saved_tensors_hooks(*fns)
-
-    def _close_region(self) -> None:
-        self.recording.on = False
-        self._open = False
-        self._closed = True
-        self._exits.close()
-        self._hook_fns = None
-        self.settle()
-        self.recording.finish()
-        self.saved_log.strides.clear()
-        self.policy_stack.ctx = None
-        self._modules.clear()
-        if self.saved_log.live_packs == 0:
-            self._release()
-        else:
-            count_live_uses(self)
-            if self.debug:
-                self._kept_sums = kept_checksums(self)  # See Note [Kept value checks].
-
-    def _changed_globals(self) -> list[str]:
-        """Settings of Note [Replay globals] changed since the region opened."""
-        if self._globals is None:
-            return []
-        now = replay_globals()
-        return [REPLAY_GLOBALS[i][0] for i in range(len(now)) if now[i] != self._globals[i]]
-
+    # Lifecycle: see open_region and close_region below the class.
     def offloader(self) -> Offloader:
         """The copies of the values kept in host memory. See Note [Offload on CUDA]."""
         if self._offloader is None:
@@ -297,6 +252,11 @@ class Region:
 
     # ----------------------------------------------------------------- introspection
     @property
+    def is_open(self) -> bool:
+        """Whether the region's outermost block is running (ops are recorded in it)."""
+        return self._open
+
+    @property
     def released(self) -> bool:
         """Whether the region has exited and autograd let go of every saved tensor of it:
         it holds no tensor anymore, only metadata (see Note [Packed lifetime])."""
@@ -337,3 +297,70 @@ class Region:
     def __repr__(self) -> str:
         state = "open" if self._open else "closed"
         return f"Region({len(self.nodes)} ops, {self.kept_bytes} kept bytes, {state})"
+
+
+# ----------------------------------------------------------------- lifecycle
+def open_region(region: Region) -> None:
+    """Open ``region`` in this thread: install its hooks and recorder. Called by the
+    outermost ``save_recompute_policy`` block (``api.py``)."""
+    if torch.is_inference_mode_enabled():
+        raise CkptGraphError(
+            "ckpt_graph: save_recompute_policy cannot run under torch.inference_mode(): "
+            "inference mode saves nothing for backward; leave the region out, or run it "
+            "under torch.no_grad() instead"
+        )
+    region.recording.task = torch._C._current_graph_task_id()
+    region.forward_globals = replay_globals()
+    region.policy_stack.ctx = PolicyContext(region)
+    region._hook_fns = (pack_hook_for(region), unpack_hook_for_autograd())
+    with ExitStack() as exits:  # undone in reverse order, also if a step raises
+        _tls.region = region
+        exits.callback(setattr, _tls, "region", None)
+        _modules.install_hooks(current_region)
+        exits.callback(_modules.uninstall_hooks)
+        exits.enter_context(torch.autograd.graph.saved_tensors_hooks(*region._hook_fns))
+        exits.enter_context(Recorder(region))
+        region._exits = exits.pop_all()
+    region._open = True
+    region.recording.on = True
+
+
+def nested_block_hooks(region: Region) -> Any:
+    """Saved-tensor hooks a nested block must push again, or ``None``.
+
+    See Note [Foreign saved-tensor hooks].
+    """
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    fns = region._hook_fns
+    if not region._open or fns is None or (top is not None and top[0] is fns[0]):
+        return None
+    return torch.autograd.graph.saved_tensors_hooks(*fns)
+
+
+def close_region(region: Region) -> None:
+    """Close ``region``: undo what ``open_region`` installed, and keep of the recording only
+    what backward needs. See Note [Packed lifetime]."""
+    region.recording.on = False
+    region._open = False
+    region._closed = True
+    region._exits.close()
+    region._hook_fns = None
+    region.settle()
+    region.recording.finish()
+    region.saved_log.strides.clear()
+    region.policy_stack.ctx = None
+    region.module_stack.clear()
+    if region.saved_log.live_packs == 0:
+        region._release()
+    else:
+        count_live_uses(region)
+        if region.debug:
+            region.kept_sums = kept_checksums(region)  # See Note [Kept value checks].
+
+
+def changed_globals(region: Region) -> list[str]:
+    """Settings of Note [Replay globals] changed since the region opened."""
+    if region.forward_globals is None:
+        return []
+    now = replay_globals()
+    return [REPLAY_GLOBALS[i][0] for i in range(len(now)) if now[i] != region.forward_globals[i]]

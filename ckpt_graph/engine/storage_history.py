@@ -138,7 +138,7 @@ def rebase(region: Region, t: torch.Tensor, old: Handle) -> Handle | None:
     node.outputs = (h,)
     node.decision = CheckpointPolicy.PREFER_RECOMPUTE
     node.decided_by = "engine"
-    node.module_path = region._modules.current_path
+    node.module_path = region.module_stack.current_path
     region.nodes.append(node)
     history.roots.add(h)
     return h
