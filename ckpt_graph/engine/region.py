@@ -4,8 +4,11 @@ A region is opened by the outermost ``save_recompute_policy`` block of a thread 
 ``api.py``) and closed when that block exits; inner blocks push their policy onto it
 (``policy_stack``). While open, its :class:`~ckpt_graph.engine.record.Recorder` records
 every aten op and its saved-tensor hooks pack handles instead of tensors (``hooks.py``).
-This module holds the region's state and lifecycle, its map from tensors to handles
-(``handle_of``) and tags; recording is in ``record.py``, backward in ``realize.py``.
+This module holds the region's lifecycle (``open_region`` / ``close_region``), its map
+from tensors to handles (``handle_of``) and tags; the region composes the owners of its
+state (``policy_stack.py``, ``saved_log.py``, ``recording_state.py``, ``modules.py``, and
+the backward pass state of ``passes.py``). Recording is in ``record.py``, backward in
+``realize.py``.
 """
 
 from __future__ import annotations
@@ -74,9 +77,13 @@ class Region:
         opened_by: which integration opened the region (``"ckpt_graph.wrap: layers.3
             (Block)"``), or ``""`` for a plain ``save_recompute_policy`` block (see Note
             [Integrations say when they are active]).
-        policy_stack: (engine state, like every attribute below: the engine's modules read
-            and change it; policies and users must not) the policies of the open blocks and
-            what they decide alike (:class:`~ckpt_graph.engine.policy_stack.PolicyStack`).
+        is_open: whether the outermost block is running (read-only).
+        released: whether the region exited and autograd let go of every saved tensor of
+            it, so that it holds no tensor anymore (read-only; see Note [Packed lifetime]).
+        policy_stack: the policies of the open blocks and what they decide alike
+            (:class:`~ckpt_graph.engine.policy_stack.PolicyStack`). This attribute and the
+            ones below are engine state: the engine's modules read and change them, through
+            the owners' public attributes; policies and users should not.
         saved_log: the tensors autograd saved and the packs it still holds
             (:class:`~ckpt_graph.engine.saved_log.SavedLog`).
         recording: what the recorder and the mutation rules track while the region
@@ -122,7 +129,8 @@ class Region:
         self.opened_by = ""  # See Note [Integrations say when they are active].
         self._offloader: Offloader | None = None  # made at the first offloaded value
 
-    # Lifecycle: see open_region and close_region below the class.
+    # ----------------------------------------------------------------- held values
+    # (the lifecycle, ``open_region`` and ``close_region``, is below the class)
     def offloader(self) -> Offloader:
         """The copies of the values kept in host memory. See Note [Offload on CUDA]."""
         if self._offloader is None:
