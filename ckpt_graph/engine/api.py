@@ -21,7 +21,14 @@ from ckpt_graph._errors import CkptGraphError, CkptGraphTypeError
 from ckpt_graph.engine.cache_bound import parse_cache_limit
 from ckpt_graph.engine.decisions import normalize_policy
 from ckpt_graph.engine.lowering import checkpoint_lowered, needs_region
-from ckpt_graph.engine.region import Region, current_region
+from ckpt_graph.engine.region import (
+    Region,
+    changed_globals,
+    close_region,
+    current_region,
+    nested_block_hooks,
+    open_region,
+)
 from ckpt_graph.engine.torch_sac import TorchSACPolicy
 
 __all__ = ["checkpoint", "save_recompute_policy", "tag_with_policy"]
@@ -101,9 +108,9 @@ class save_recompute_policy:
         with ExitStack() as exits:  # unwound if a step raises: nothing stays pushed
             if region is None:
                 region = Region(debug=self._debug, cache_limit=self._cache_limit)
-                region._open_region()
+                open_region(region)
                 self._opened = True
-                exits.callback(region._close_region)
+                exits.callback(close_region, region)
             else:
                 if self._cache_limit is not None and self._cache_limit != region.cache_limit:
                     raise CkptGraphError(
@@ -112,19 +119,19 @@ class save_recompute_policy:
                         f"outermost block) has cache_limit={region.cache_limit!r}; pass "
                         "cache_limit to the outermost block only"
                     )
-                hooks = region._hooks_for_nested_block()  # See Note [Foreign saved-tensor hooks].
+                hooks = nested_block_hooks(region)  # See Note [Foreign saved-tensor hooks].
                 if hooks is not None:
                     exits.enter_context(hooks)
             self._region = region
-            region._push(self._policy)
-            exits.callback(region._pop)
+            region.policy_stack.push(region, self._policy)
+            exits.callback(region.policy_stack.pop, region)
             self._exits = exits.pop_all()
         return region
 
     def __exit__(self, *exc: object) -> None:
         region = self._region
         assert region is not None
-        changed = region._changed_globals() if self._opened else []
+        changed = changed_globals(region) if self._opened else []
         self._exits.close()  # pop the policy, then the hooks, then close an opened region
         if changed and exc[0] is None:
             raise CkptGraphError(
@@ -283,11 +290,11 @@ def tag_with_policy(tensor: torch.Tensor, policy: CheckpointPolicy | bool) -> to
             f"`policy`, got {type(policy).__name__}"
         )
     region = current_region()
-    if region is None or not region._recording:
+    if region is None or not region.recording.on:
         raise CkptGraphError(
             "ckpt_graph: tag_with_policy called outside a region; call it inside a "
             "`with ckpt_graph.save_recompute_policy(...)` block, on a tensor computed there"
         )
-    region._settle()
+    region.settle()
     region.tag(tensor, policy)
     return tensor

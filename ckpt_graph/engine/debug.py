@@ -80,7 +80,7 @@ def kept_checksums(region: Region) -> dict[Handle, tuple[float, float, float]]:
 
 def check_kept(region: Region, h: Handle, value: torch.Tensor) -> None:
     """Raise if a kept value changed since the region exited. See Note [Kept value checks]."""
-    expected = region._kept_sums.get(h)
+    expected = region.kept_sums.get(h)
     if expected is None:
         return
     got = _checksum(value)

@@ -324,11 +324,11 @@ class PolicyContext:
 
     @property
     def module_path(self) -> str:
-        return self.region._modules.path()
+        return self.region.module_stack.path()
 
     @property
     def module(self) -> torch.nn.Module | None:
-        return self.region._modules.current()
+        return self.region.module_stack.current()
 
     @property
     def flops(self) -> int:

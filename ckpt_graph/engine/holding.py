@@ -65,19 +65,19 @@ def hold(
     """Keep ``t`` as the value of ``h``. See Note [Holding values]."""
     if offload and t.device.type != "cpu":  # See Note [Offload on CUDA].
         h.offload_device = t.device
-        recording = region._recording  # a tag at user level: the copy is not an op node
-        region._recording = False
+        state = region.recording
+        recording, state.on = state.on, False  # a tag at user level: the copy is no op node
         try:
             t = region.offloader().to_host(h, t)
         finally:
-            region._recording = recording
+            state.on = recording
     if reason is graph.INPUT and type(t) in _PLAIN and without_history(t):
         h.keep(t, reason)  # See Note [Holding values], rule 4.
     else:
         h.keep(detached(region, t), reason)
     if count and h.node_index >= 0 and not h.is_view:
         region.kept_bytes += h.nbytes
-    if region._by_storage is not None:
+    if region.recording.by_storage is not None:
         index_storage(region, h)
 
 
@@ -102,7 +102,7 @@ def hold_copy(region: Region, h: Handle, copy: torch.Tensor, held: bool = False)
     h.copied = True  # See Note [Version checks through a copied base].
     if h.node_index < 0 or h.is_view or held:
         region.kept_bytes += copy.untyped_storage().nbytes()
-    if region._by_storage is not None:
+    if region.recording.by_storage is not None:
         index_storage(region, h)
 
 
@@ -115,11 +115,12 @@ def free_kept(region: Region, h: Handle) -> None:
 
 def index_storage(region: Region, h: Handle) -> None:
     """Add a kept value to the region's storage index (see ``before_write``)."""
-    assert region._by_storage is not None
+    by_storage = region.recording.by_storage
+    assert by_storage is not None
     if h.value is not None and h.offload_device is None:
         key = h.value.untyped_storage().data_ptr()
         if key:
-            region._by_storage.setdefault(key, []).append(h)
+            by_storage.setdefault(key, []).append(h)
 
 
 def detached(region: Region, t: torch.Tensor) -> torch.Tensor:
@@ -134,15 +135,16 @@ def detached(region: Region, t: torch.Tensor) -> torch.Tensor:
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         include = _tls_include()
         exclude = _tls_exclude()
-        keys = region._alias_keys  # the same for every op of a region, in practice
+        state = region.recording
+        keys = state.alias_keys  # the same for every op of a region, in practice
         if keys is None or keys[0] != include or keys[1] != exclude:
             alias = exclude.remove(_DK.ADInplaceOrView).add(_DK.Python).add(_DK.PythonTLSSnapshot)
-            keys = region._alias_keys = (include, exclude, alias)
+            keys = state.alias_keys = (include, exclude, alias)
         with _ForceKeys(include, keys[2]):
             return t.detach()
-    recording = region._recording
-    region._recording = False
+    state = region.recording
+    recording, state.on = state.on, False
     try:
         return t.detach()
     finally:
-        region._recording = recording
+        state.on = recording

@@ -50,7 +50,7 @@ class Packed(_PackedBase):
         self.handle = handle
         self.read = -1  # pass number of the last read; see Note [Reading a saved tensor again]
         handle.saved_refs += 1
-        region._live_packs += 1
+        region.saved_log.live_packs += 1
 
     def __del__(self) -> None:
         try:
@@ -58,7 +58,7 @@ class Packed(_PackedBase):
         except AttributeError:  # made without __init__ (e.g. by a compiler's tracing)
             return
         handle.saved_refs -= 1
-        region._pack_released(handle)
+        region.pack_released(handle)
 
     def __repr__(self) -> str:
         return f"Packed({self.handle!r})"
@@ -72,18 +72,19 @@ def pack_hook_for(region: Region) -> Callable[[torch.Tensor], Any]:
     """
     current_task = torch._C._current_graph_task_id
     handle_of = region.handle_of
-    saved_at, saved_handles, nodes = region._saved_at, region._saved_handles, region.nodes
+    log, recording = region.saved_log, region.recording
+    saved_at, saved_handles, strides, nodes = log.at, log.handles, log.strides, region.nodes
 
     def pack_hook(t: torch.Tensor) -> Any:
-        if not region._recording or current_task() != region._task:
+        if not recording.on or current_task() != recording.task:
             return t
-        if region._unsettled:
-            region._settle()
+        if recording.unsettled:
+            region.settle()
         h = handle_of(t)
         h.forward_uses += 1
         if h.device is None:
             stride = t.stride()
-            h.stride = region._strides.setdefault(stride, stride)  # shared, as sizes are
+            h.stride = strides.setdefault(stride, stride)  # shared, as sizes are
             h.device = t.device
             _note_storage(h, t)
         saved_at.append(len(nodes))  # See Note [Saved tensor records].
@@ -98,7 +99,7 @@ def _note_storage(h: Handle, t: torch.Tensor) -> None:
 
     A weak reference as a plain int, not a ``StorageWeakRef`` object: an object per saved
     value counts towards the garbage collector's passes (Note [One recording path], rule 3),
-    which cost more than ten times the reference itself. ``Region._release`` frees it.
+    which cost more than ten times the reference itself. Releasing the region frees it.
     """
     try:
         # torch's stubs type ``_weak_ref`` as returning a storage; it returns the int.

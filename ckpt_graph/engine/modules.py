@@ -129,13 +129,13 @@ _current_region: Callable[[], Any] = lambda: None  # noqa: E731
 def _pre_hook(module: torch.nn.Module, args: Any) -> None:
     region = _current_region()
     if region is not None:
-        region._modules.push(module)
+        region.module_stack.push(module)
 
 
 def _post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
     region = _current_region()
     if region is not None:
-        region._modules.pop(module)
+        region.module_stack.pop(module)
 
 
 def install_hooks(current_region: Callable[[], Any]) -> None:

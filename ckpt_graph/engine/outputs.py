@@ -55,10 +55,11 @@ def record_node(
     index = len(nodes)
     node = OpNode(index, op, info, h_args, h_kwargs, inputs)
     # A constant policy stack decides every op alike; ``decide`` asks callable ones.
-    node.decision = region._constant
-    node.decided_by = region._constant_by
-    node.module_path = region._modules.current_path
-    node.module_call = region._modules.current_call
+    stack = region.policy_stack
+    node.decision = stack.constant
+    node.decided_by = stack.constant_by
+    node.module_path = region.module_stack.current_path
+    node.module_call = region.module_stack.current_call
     if rng is not None:
         node.rng = rng
     for h in inputs:
@@ -66,8 +67,9 @@ def record_node(
     previous: Handle | None = None
     if info.writes:
         previous = mark_written(region, info, h_args, h_kwargs, args, kwargs)
-    ids = region._ids
-    shapes = region._shapes
+    recording = region.recording
+    ids = recording.ids
+    shapes = recording.shapes
     if isinstance(out, _Tensor):
         h = Handle(out, index, 0)
         if info.view_outputs or info.returns_written:
@@ -95,7 +97,7 @@ def record_node(
                 h.shape = shapes.setdefault(shape, shape)
             except TypeError:  # symbolic sizes are not hashable: no sharing
                 pass
-    if info.writes and region._writing is not None:  # See Note [Mutation and views], rule 3.
+    if info.writes and recording.writing is not None:  # See Note [Mutation and views], rule 3.
         after_write(region, node.outputs[0] if len(node.outputs) == 1 else None)
     if region.debug:
         node.stack = "".join(traceback.format_stack(limit=14)[:-4])
@@ -109,7 +111,7 @@ def _alias_output(
 ) -> None:
     """Set up the output handle of an in-place or view op. See Note [Mutation and views]."""
     h.version = -1  # rule 5: autograd sets the version after the recorder returns
-    region._unsettled.append(h)
+    region.recording.unsettled.append(h)
     if info.returns_written:
         if previous is not None:  # rule 6
             h.is_view, h.has_views = previous.is_view, previous.has_views
@@ -141,16 +143,17 @@ def decide(
     """
     decision = node.decision
     if decision is None:
-        ctx = region._ctx
+        stack = region.policy_stack
+        ctx = stack.ctx
         assert ctx is not None
         ctx._set(node.index, node.op, node.info, out, args, kwargs)
-        region._recording = False  # a policy's own tensor ops are not part of the region
+        region.recording.on = False  # a policy's own tensor ops are not part of the region
         try:
             decision, node.decided_by = resolve(
-                region._policies, ctx, out, node.op, args, kwargs, region._policy_names
+                stack.policies, ctx, out, node.op, args, kwargs, stack.names
             )
         finally:
-            region._recording = True
+            region.recording.on = True
             ctx._clear()
         node.decision = decision
     keep = id(decision) in _KEEP_IDS

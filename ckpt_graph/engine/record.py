@@ -63,7 +63,7 @@ _NO_KWARGS: dict[str, Any] = {}  # shared by every op node called without keywor
 #      of its producer uses the producer's ``outputs`` tuple as its ``inputs`` (and as its
 #      ``args`` when that is the only argument); when every argument is a distinct tensor,
 #      ``inputs`` is the ``args`` tuple. Op nodes called without keywords share one empty
-#      ``kwargs`` dict. Output shapes are shared within a region (``Region._shapes``): one
+#      ``kwargs`` dict. Output shapes are shared within a region (``RecordingState.shapes``): one
 #      ``torch.Size`` per distinct shape instead of one per op.
 #   4. Writes (``before_write`` and its undo), RNG capture and factory options run only for
 #      ops whose ``OpInfo`` asks for them (``_OpEntry.special``).
@@ -128,6 +128,7 @@ class Recorder(TorchDispatchMode):
     def __init__(self, region: Region) -> None:
         super().__init__()
         self.region = region
+        self.recording = region.recording  # the same object for the region's lifetime
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -149,19 +150,19 @@ class Recorder(TorchDispatchMode):
             return self._without_dynamo(func, types, args, kwargs)
         if not kwargs:  # torch passes a new empty dict
             kwargs = _NO_KWARGS
-        region = self.region
+        region, recording = self.region, self.recording
         # Backward run inside the region, and the region's own recompute, are not recorded.
         if (
-            not region._recording
-            or _current_task() != region._task
+            not recording.on
+            or _current_task() != recording.task
             or (func is _ONES_LIKE and _seed_gradient())
         ):
             return func(*args, **kwargs)
         entry = _OPS.get(id(func))
         if entry is None:
             entry = _OPS[id(func)] = _OpEntry(func)
-        if region._unsettled:
-            region._settle()
+        if recording.unsettled:
+            region.settle()
         h_args, h_kwargs, inputs = _scan(region, args, kwargs)
         rng = None
         overwritten = None
@@ -202,7 +203,7 @@ def _scan(
         The arguments with handles, the keyword arguments with handles, and the distinct
         input handles, sharing tuples where equal (see Note [One recording path], rule 3).
     """
-    ids = region._ids
+    ids = region.recording.ids
     inputs: list[Handle] = []
     h_args: list[Any] | None = None  # made at the first argument that is not a tensor
     for a in args:

@@ -76,11 +76,11 @@ _is_any_autocast_enabled = torch._C._is_any_autocast_enabled
 # (kernel choice, and NaN-filled ``empty``), ``torch.set_float32_matmul_precision``
 # (reduced-precision matmul kernels) and whether oneDNN is enabled. A backward may run
 # under other settings than its forward (a data loader thread changing the thread count,
-# a test toggling determinism), so the region reads them when it opens (``Region._globals``)
+# a test toggling determinism), so the region reads them when it opens (``Region.forward_globals``)
 # and recompute runs under those (``_replay_globals``): each differing one is set for the
 # duration of a ``realize`` and restored after. Changing one inside an open region would
 # leave ops of one region with two settings: closing the region then raises (see
-# ``Region._close_region``). The default dtype is one of them too: besides factory ops,
+# ``close_region``). The default dtype is one of them too: besides factory ops,
 # which record the dtype, layout and device they produced (Note [Factory ops] in
 # record.py), it sets the result dtype of ops that promote integers to floating point
 # (``idx * 0.1``, ``idx / 3``, ``idx.sigmoid()``), whose replay under another default gave
@@ -115,7 +115,7 @@ def replay_globals() -> tuple[Any, ...]:
 @contextlib.contextmanager
 def _replay_globals(region: Region) -> Iterator[None]:
     """Run under the settings the region's forward had. See Note [Replay globals]."""
-    want = region._globals
+    want = region.forward_globals
     now = replay_globals()
     if want is None or now == want:
         yield
@@ -140,8 +140,9 @@ def _enter_replay(region: Region) -> _Replay:
     Plain functions rather than a context manager: this runs once per unpack that
     recomputes, where a generator-based manager costs measurable time.
     """
-    recording = region._recording  # False inside a policy's call, even in an open region
-    region._recording = False
+    state = region.recording
+    recording = state.on  # False inside a policy's call, even in an open region
+    state.on = False
     grad_was = torch.is_grad_enabled()
     _set_grad_enabled(False)
     autocast = _autocast_off() if _is_any_autocast_enabled() else None
@@ -159,7 +160,7 @@ def _exit_replay(region: Region, replay: _Replay) -> None:
     if autocast is not None:
         autocast.__exit__(None, None, None)
     _set_grad_enabled(grad_was)
-    region._recording = recording
+    region.recording.on = recording
 
 
 def _fresh_alias(t: torch.Tensor) -> torch.Tensor:

@@ -192,7 +192,8 @@ class MemoryBudget:
         if not torch.is_grad_enabled():  # not a training step: See Note [Memory budget policy]
             return
         if all(_done(r()) for r in self._step):  # a new step: plan the last one
-            recording, region._recording = region._recording, False  # not the region's ops
+            state = region.recording
+            recording, state.on = state.on, False  # not the region's ops
             try:
                 self._measured_step()
                 if not self._plan_step():
@@ -202,7 +203,7 @@ class MemoryBudget:
                 if self.check:
                     self._check.start(self._predicted())
             finally:
-                region._recording = recording
+                state.on = recording
         ordinal = len(self._step)
         self._step.append(weakref.ref(region))
         own = self._plans.get(ordinal)
@@ -217,7 +218,7 @@ class MemoryBudget:
             region.kept_bytes,
             plans,
             len(region.inputs),
-            len(region._saved_handles),
+            len(region.saved_log),
             exact=list(plans),
         )
 
@@ -232,7 +233,7 @@ class MemoryBudget:
         del self._runs[id(region)]
         if self.check:  # only the measured check's breakdown needs the parameters
             self._check.note_region(region)
-        if len(region._saved_handles) == run.saved_at_enter:  # saved nothing: not planned (rule 7)
+        if len(region.saved_log) == run.saved_at_enter:  # saved nothing: not planned (rule 7)
             self._step = [r for r in self._step if r() is not region]
             return
         n = len(run.signature)
@@ -571,4 +572,4 @@ def _done(region: Region | None) -> bool:
     """Whether a region of the current step is finished (backward ran, or released)."""
     if region is None:
         return True
-    return region._pass.number > 0 or (region._closed and region._live_packs == 0)
+    return region._pass.number > 0 or region.released

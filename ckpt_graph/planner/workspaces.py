@@ -62,7 +62,7 @@ def measure_workspaces(region: Region) -> dict[int, Workspace]:
         >>> ws = measure_workspaces(region)  # doctest: +SKIP
         >>> g = from_region(region, workspaces=ws)  # doctest: +SKIP
     """
-    if region._open:
+    if region.is_open:
         raise CkptGraphValueError(
             "ckpt_graph: measure_workspaces: the region is still open; call it after the "
             "save_recompute_policy block has exited"

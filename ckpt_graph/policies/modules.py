@@ -123,7 +123,8 @@ class _ThreadState:
         """Qualified name of a module about to run. See Note [Module outputs from module hooks]."""
         from ckpt_graph.engine.region import current_region  # late: region imports this package
 
-        modules = getattr(current_region(), "_modules", None)
+        region = current_region()
+        modules = region.module_stack if region is not None else None
         if modules is not None and modules.current() is module:
             return str(modules.path())  # the engine's name: what ctx.module_path says
         if not self.stack and module is not self.root:

@@ -698,7 +698,7 @@ def test_backward_inside_a_policy_leaves_recording_off() -> None:
     def policy(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
         if op is torch.ops.aten.mm.default and not seen:
             torch.autograd.grad(pending[0], w, retain_graph=True)  # recomputes exp's output
-            seen.append(ctx.region._recording)
+            seen.append(ctx.region.recording.on)
         return False
 
     with cg.save_recompute_policy(policy):

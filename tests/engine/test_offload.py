@@ -124,7 +124,7 @@ def test_a_region_copies_each_offloaded_value_back_once_in_backward_order() -> N
     model = torch.nn.Sequential(*layers).to("meta")
     copies = _MetaCopies()
     with cg.save_recompute_policy("recompute_all") as region:
-        region._offloader = Offloader(lambda device: copies)
+        region.offloader().copiers[DEVICE] = copies
         matmuls = policies.offload(lambda ctx, out, op, *a, **k: op is aten.addmm.default)
         with cg.save_recompute_policy(matmuls):
             loss = model(torch.randn(4, 8, device="meta")).pow(2).mean()

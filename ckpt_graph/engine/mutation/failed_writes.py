@@ -46,7 +46,7 @@ def write_state(
 ) -> _Undo:
     """What ``before_write`` may change. See Note [Failed in-place ops]."""
     touched: dict[int, Handle] = {}
-    by_storage = region._by_storage
+    by_storage = region.recording.by_storage
     for w in info.writes:
         t = arg_at(args, kwargs, w)
         h = arg_at(h_args, h_kwargs, w)
@@ -87,4 +87,4 @@ def restore(region: Region, undo: _Undo) -> None:
     for h, superseded, writes, value, version, ref, reason in undo:
         h.superseded, h.writes, h.value, h.version = superseded, writes, value, version
         h.ref, h.reason = ref, reason
-    region._by_storage = None
+    region.recording.by_storage = None

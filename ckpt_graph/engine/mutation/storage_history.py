@@ -54,9 +54,10 @@ class StorageHistory:
 def _history(region: Region, storage: torch.UntypedStorage) -> StorageHistory | None:
     """The history of the writes to ``storage``, if the region wrote to it."""
     key = storage.data_ptr()
-    history = region._storages.get(key)
+    storages = region.recording.storages
+    history = storages.get(key)
     if history is not None and history.storage.expired():
-        del region._storages[key]  # a storage freed since, whose address was reused
+        del storages[key]  # a storage freed since, whose address was reused
         return None
     return history
 
@@ -67,8 +68,8 @@ def note_write(
     """Update the storage's history before a write; ``after_write`` sets the new head."""
     history = _history(region, storage)
     if history is None:
-        history = region._storages[storage.data_ptr()] = StorageHistory(storage)
-    region._writing = None
+        history = region.recording.storages[storage.data_ptr()] = StorageHistory(storage)
+    region.recording.writing = None
     if history.diverged:
         return
     if (
@@ -85,14 +86,14 @@ def note_write(
     src = alias_source(region, root)
     if src is not None:
         history.roots.add(src)
-    region._writing = history
+    region.recording.writing = history
 
 
 def after_write(region: Region, out: Handle | None) -> None:
     """The write recorded by ``before_write`` returned ``out``: the storage's new head."""
-    history = region._writing
+    history = region.recording.writing
     if history is not None:
-        region._writing = None
+        region.recording.writing = None
         if out is None:
             history.diverged = True
             history.head = None
@@ -137,7 +138,7 @@ def rebase(region: Region, t: torch.Tensor, old: Handle) -> Handle | None:
     node.outputs = (h,)
     node.decision = CheckpointPolicy.PREFER_RECOMPUTE
     node.decided_by = "engine"
-    node.module_path = region._modules.current_path
+    node.module_path = region.module_stack.current_path
     region.nodes.append(node)
     history.roots.add(h)
     return h

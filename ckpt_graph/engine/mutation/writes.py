@@ -42,7 +42,7 @@
 #   5. The version of an in-place op's output (bumped) and of a view op's output (shared
 #      with its base) is only set by autograd after this mode returns: those handles start
 #      at -1 and read the tensor's version when the region next sees anything
-#      (``Region._settle``), before any other op can change it.
+#      (``Region.settle``), before any other op can change it.
 #   6. A view's handle names its ``base``: the handle, not itself a view, whose storage
 #      and version counter it shares (view ops take it from their input; in-place and
 #      ``out=`` results from the argument they wrote). A write through a view supersedes
@@ -98,8 +98,9 @@ def before_write(
         The written argument's kept handle if it is overwritten without a copy (its
         new version must then be kept), else ``None``.
     """
-    if region._by_storage is None:
-        region._by_storage = {}
+    state = region.recording
+    if state.by_storage is None:
+        state.by_storage = {}
         for h in region.inputs:
             index_storage(region, h)
         for node in region.nodes:
@@ -117,7 +118,7 @@ def before_write(
             supersede_view_bases(region, written)
         key = t.untyped_storage().data_ptr()
         note_write(region, info, t.untyped_storage(), written)
-        entries = region._by_storage.get(key)
+        entries = state.by_storage.get(key)
         if not entries:
             continue
         remaining: list[Handle] = []
@@ -147,9 +148,9 @@ def before_write(
                 k.ref = None  # the tensor's version stays: it must not match ``k`` again
             copied.append((k, copy))
         if remaining:
-            region._by_storage[key] = remaining
+            state.by_storage[key] = remaining
         else:
-            del region._by_storage[key]
+            del state.by_storage[key]
         # Whether the written storage stays held: a copy is then new memory, even of an op
         # output (see Note [Holding values], rule 2).
         moved = {id(k) for k, _ in copied}
@@ -193,7 +194,7 @@ def mark_written(
             first = written
         if not info.returns_written:
             t = arg_at(args, kwargs, w)
-            region._ids.pop(id(t), None)
+            region.recording.ids.pop(id(t), None)
     return first
 
 
