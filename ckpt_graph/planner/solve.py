@@ -41,8 +41,10 @@
 #      it in the root; at 40 ops some take 15 s, hence 30 ops. Where the root outlasts the
 #      wall time, the plan may still depend on the load; there the other seeds reached the
 #      same optimum in every case measured, and ties go to them.)
-#   5b. Hand seeds (Note [Hand seeds]: keep matmuls, block inputs, every k-th block output):
-#      each that fits is a candidate answer as is, so the answer never costs more than a
+#   5b. Hand seeds (Note [Hand seeds]: keep matmuls, block inputs, every k-th block output)
+#      and ``recompute_all`` (keep no candidate), so that no plan a user can write with the
+#      library's own policies (checkpoint per block, every k blocks, save matmuls,
+#      recompute everything) is left out: each that fits is a candidate answer as is, so the answer never costs more than a
 #      fitting hand plan; the cheapest one also starts a local search (step 6, with
 #      ``max_evals / 4`` more) when it beats every local optimum found so far (a search
 #      from it cost up to 3x the planning time of a 4-layer HF GPT-2 for no gain when it
@@ -80,9 +82,10 @@
 #   7. If no plan fits (the budget is below what recompute can reach: inputs of every
 #      backward step must exist at once), the plan with the lowest simulated *total* peak
 #      (activations, gradients and workspaces; ties: fewer kept bytes) among all those tried
-#      (seeds, step 6a, hand plans, keeping nothing) is returned with ``feasible=False`` and
+#      (seeds, step 6a, hand plans, ``recompute_all``) is returned with ``feasible=False`` and
 #      the caller warns (``below_reach="total"``, a single region's plan; the step budget's
-#      menus compare regions by activation peak and get the lowest of that). The total, not
+#      menus compare regions by activation peak and get the lowest of that).
+#      ``recompute_all`` is among them, so the answer's simulated peak is never above it. The total, not
 #      the activation peak: a user below reach wants the lowest real peak, and the total is
 #      the simulator's estimate of it. (Before, the choice was the lowest activation peak
 #      among the seeds only: on the 4-layer GPT of notebook 03 it measured 3.68 MiB where
@@ -136,6 +139,8 @@ __all__ = [
 #: Starting points of the local search (see Note [Memory budget planning]).
 SEEDS = ("greedy", "simulated", "min-cut", "segment DP", "milp")
 
+# The hand plan that keeps no candidate: what ``recompute_all`` decides for the same ops.
+_RECOMPUTE_ALL = "recompute_all"
 # Up to this many candidates, graph seeds that do not fit are repaired by greedy descent.
 _REPAIR_SEEDS = 400
 # Up to this many ops, the exact MILP (Note [Exact MILP of the backward liveness model]) is a
@@ -215,6 +220,7 @@ def solve(
     hand: Mapping[str, Iterable[int]] | None = None,
     milp_seconds: float = _MILP_SECONDS,
     below_reach: str = "activations",
+    total: bool = False,
 ) -> Solution:
     """Plan the kept ops among ``candidates``. See Note [Memory budget planning].
 
@@ -232,6 +238,9 @@ def solve(
         below_reach: when no plan fits, return the one with the lowest simulated
             ``"activations"`` peak (what the step budget's menus compare) or ``"total"`` peak
             (a single region's plan; step 7 of the Note).
+        total: the budget bounds the simulated total peak (activations, gradient buffers
+            and workspaces: ``SimResult.peak_total_bytes``), as for a step of one region
+            (Note [Memory budget policy] rule 1), instead of the activation peak.
 
     Example:
         >>> sol = solve(graph, candidate_ops(graph), budget=graph.saved_bytes() // 2)  # doctest: +SKIP
@@ -239,37 +248,39 @@ def solve(
     """
     if max_evals is None:
         max_evals = search_evals(g)
-    search = Search(g, budget, max_evals)
+    search = Search(g, budget, max_evals, total=total)
     kept = set(candidates)
     first = search.sim(kept)
     hand_fit: list[tuple[SimResult, set[int], str]] = []
     hand_all: list[tuple[SimResult, set[int], str]] = []
-    if first.peak_bytes <= budget:
+    if search.peak(first) <= budget:
         starts = [("all", first, kept)]
     else:
         starts = _starts(search, candidates, seeds, milp_seconds)
         spent = search.evals
+        # the hand plans (Note [Hand seeds]) and keeping nothing: every plan a user would
+        # write is a candidate answer, judged by the same simulator (step 5b)
+        by_hand = {**(hand or {}), _RECOMPUTE_ALL: frozenset[int]()}
         hand_all = [
             (search.sim(set(plan) & kept), set(plan) & kept, f"hand: {name}")
-            for name, plan in (hand or {}).items()
-        ]  # see Note [Hand seeds]
-        hand_fit = [t for t in hand_all if t[0].peak_bytes <= budget]
+            for name, plan in by_hand.items()
+        ]
+        hand_fit = [t for t in hand_all if search.peak(t[0]) <= budget]
         search.extra += search.evals - spent  # not taken from the greedy search
     tried = [(r, k, name) for name, r, k in starts] + hand_all
-    if tried and not hand_fit and all(t[0].peak_bytes > budget for t in tried):
+    if tried and not hand_fit and all(search.peak(t[0]) > budget for t in tried):
         # step 6a: lower the lowest plan by drops, keeps and swaps (not from greedy's share)
-        low, low_kept, name = min(tried, key=lambda t: (t[0].peak_bytes, t[0].recompute_cost))
+        low, low_kept, name = min(tried, key=lambda t: (search.peak(t[0]), t[0].recompute_cost))
         spent = search.evals
         search.limit = search.evals + max_evals // 4
         starts.append((name, *search.lower(candidates, set(low_kept))))
         search.extra += search.evals - spent
     fitting: dict[frozenset[int], tuple[str, SimResult]] = {}
     for name, r, k in starts:
-        if r.peak_bytes <= budget:
+        if search.peak(r) <= budget:
             fitting.setdefault(frozenset(k), (name, r))
     if not fitting and not hand_fit:  # step 7: the lowest peak of every plan tried
         tried = [(r, k, name) for name, r, k in starts] + hand_all
-        tried.append((search.sim(set()), set(), "keep nothing"))
         if below_reach == "total":
             low, low_kept, name = min(tried, key=lambda t: (t[0].peak_total_bytes, t[0].kept_bytes))
         else:
@@ -329,6 +340,7 @@ def solve_from(
     start: Iterable[int],
     *,
     max_evals: int,
+    total: bool = False,
 ) -> Refinement | None:
     """Plan from ``start``, a plan of the same ops at other sizes; ``None`` if none fits.
 
@@ -344,18 +356,19 @@ def solve_from(
         budget: bytes the simulated activation peak of backward may reach.
         start: kept ops to start from (those not in ``candidates`` are ignored).
         max_evals: simulations and marginal-cost sweeps the search may spend.
+        total: the budget bounds the total peak (see :func:`solve`).
 
     Example:
         >>> ref = solve_from(graph, candidates, budget, old_kept, max_evals=40)  # doctest: +SKIP
         >>> ref is None or ref.result.peak_bytes <= budget  # doctest: +SKIP
         True
     """
-    search = Search(g, budget, max_evals, cache_marginals=True, chains=False)
+    search = Search(g, budget, max_evals, cache_marginals=True, chains=False, total=total)
     kept = set(start) & set(candidates)
     r = search.sim(kept)
-    if r.peak_bytes > budget:
+    if search.peak(r) > budget:
         r, kept = search.descend(kept)
-        if r.peak_bytes > budget:
+        if search.peak(r) > budget:
             return None
     ref = Refinement(search, candidates, r, kept)
     ref.run(max(max_evals - search.evals, 0))
@@ -376,7 +389,7 @@ def _starts(
     greedy_evals = search.evals
 
     def peak(k: frozenset[int]) -> int:
-        return search.sim(k).peak_bytes
+        return search.peak(search.sim(k))
 
     graph_seeds: list[tuple[str, list[frozenset[int]]]] = []
     if "min-cut" in seeds:
@@ -389,7 +402,7 @@ def _starts(
     for name, plans in graph_seeds:
         for plan in plans:
             r = search.sim(plan)
-            if r.peak_bytes <= budget:
+            if search.peak(r) <= budget:
                 starts.append((name, r, set(plan)))
             elif len(candidates) <= _REPAIR_SEEDS:  # large graphs: repairs cost O(n) sims
                 starts.append((name, *search.descend(set(plan))))
