@@ -379,11 +379,17 @@ class MemoryBudget:
             )
             option = Option(sol.kept_ops, sol.result, sol.method, sol.feasible)
         if not option.feasible:
+            r = option.result
+            peak = r.peak_total_bytes - graph.outside + seen.inputs
             warnings.warn(
                 f"ckpt_graph: memory_budget({self.budget!r}): no plan found within "
                 f"{budget:,} bytes for region #{seen.ordinal}; the plan with the lowest "
-                f"simulated peak ({option.result.peak_total_bytes - graph.outside + seen.inputs:,} "
-                "bytes) is used",
+                f"simulated peak ({peak:,} bytes) is used, {peak - budget:,} bytes over: "
+                f"{_fixed_bytes(graph) + seen.inputs:,} bytes of values kept whatever the plan "
+                "(tags, other policies, activation inputs) and "
+                f"{r.peak_total_bytes - r.peak_bytes:,} bytes of gradient buffers and backward "
+                "temporaries at the peak; parameters' gradients and memory outside the region "
+                "come on top (memory_budget(..., check=True) measures them)",
                 stacklevel=5,
             )
         plan = make_plan(graph, option, seen.ordinal, budget)
@@ -574,6 +580,16 @@ def memory_budget(
         >>> print(policy.step_report())  # doctest: +SKIP
     """
     return MemoryBudget(budget, flops_per_byte=flops_per_byte, check=check)
+
+
+def _fixed_bytes(graph: RegionGraph) -> int:
+    """Bytes of the values the region keeps whatever the plan (tags, other policies)."""
+    g = graph.g
+    return sum(
+        g.values[v].nbytes
+        for v in g.fixed
+        if g.values[v].storage == v and g.values[v].producer >= 0
+    )
 
 
 def _done(region: Region | None) -> bool:

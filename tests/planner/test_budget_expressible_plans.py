@@ -132,3 +132,33 @@ def test_budget_over_one_region_measures_no_higher_than_recompute_all(
     every = _point(model, _one_region(model, "recompute_all"), x)
     policy = memory_budget(fraction, flops_per_byte=FPB)
     _check(_point(model, _one_region(model, policy), x), every, expected)
+
+
+def test_budget_out_of_reach_warns_once_by_how_much_and_why() -> None:
+    """Without the measured check, a budget no plan reaches warns at the plan: the lowest
+    simulated peak, by how much it is over, and what the planner cannot change there (values
+    kept whatever the plan, gradient buffers) or does not see (parameters' gradients, memory
+    outside the region)."""
+    model = _model(16, 2)
+    x = torch.randn(2, 16, 16, 16)
+    budget = 4096
+    policy = memory_budget(budget, flops_per_byte=FPB)
+    run = _one_region(model, policy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            _step(model, x, run)
+        report = policy.report()
+    messages = [str(w.message) for w in caught if "no plan found" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert report is not None and not report.feasible
+    peak = report.predicted_total_peak_bytes  # one region, nothing kept before it
+    grads = report.predicted_total_peak_bytes - report.predicted_peak_bytes
+    assert messages[0] == (
+        f"ckpt_graph: memory_budget({budget}): no plan found within {budget:,} bytes for "
+        f"region #0; the plan with the lowest simulated peak ({peak:,} bytes) is used, "
+        f"{peak - budget:,} bytes over: 0 bytes of values kept whatever the plan (tags, other "
+        f"policies, activation inputs) and {grads:,} bytes of gradient buffers and backward "
+        "temporaries at the peak; parameters' gradients and memory outside the region come "
+        "on top (memory_budget(..., check=True) measures them)"
+    )
