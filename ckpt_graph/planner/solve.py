@@ -112,6 +112,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ckpt_graph.planner.liveness import SimGraph, SimResult
 from ckpt_graph.planner.local_search import SIM_GUIDED, Refinement, Search
@@ -141,6 +142,8 @@ SEEDS = ("greedy", "simulated", "min-cut", "segment DP", "milp")
 
 # The hand plan that keeps no candidate: what ``recompute_all`` decides for the same ops.
 _RECOMPUTE_ALL = "recompute_all"
+# Seeds whose local searches share ``max_evals`` (step 6 of the Note).
+_GREEDY = ("all", "greedy", "simulated")
 # Up to this many candidates, graph seeds that do not fit are repaired by greedy descent.
 _REPAIR_SEEDS = 400
 # Up to this many ops, the exact MILP (Note [Exact MILP of the backward liveness model]) is a
@@ -152,6 +155,17 @@ _MILP_SECONDS = 5.0
 # The local search's evaluations: _SEARCH_WORK op visits, at least _MIN_EVALS (search_evals).
 _MIN_EVALS = 1000
 _SEARCH_WORK = 360_000
+
+
+class Candidate(NamedTuple):
+    """A plan the solver considers: where it came from, its simulated backward, its kept ops.
+
+    ``method`` names the seed (:data:`SEEDS`), ``"all"`` or ``"hand: <name>"``.
+    """
+
+    method: str
+    result: SimResult
+    kept: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -249,12 +263,12 @@ def solve(
     if max_evals is None:
         max_evals = search_evals(g)
     search = Search(g, budget, max_evals, total=total)
-    kept = set(candidates)
+    kept = frozenset(candidates)
     first = search.sim(kept)
-    hand_fit: list[tuple[SimResult, set[int], str]] = []
-    hand_all: list[tuple[SimResult, set[int], str]] = []
+    hand_fit: list[Candidate] = []
+    hand_all: list[Candidate] = []
     if search.peak(first) <= budget:
-        starts = [("all", first, kept)]
+        starts = [Candidate("all", first, kept)]
     else:
         starts = _starts(search, candidates, seeds, milp_seconds)
         spent = search.evals
@@ -262,61 +276,59 @@ def solve(
         # write is a candidate answer, judged by the same simulator (step 5b)
         by_hand = {**(hand or {}), _RECOMPUTE_ALL: frozenset[int]()}
         hand_all = [
-            (search.sim(set(plan) & kept), set(plan) & kept, f"hand: {name}")
+            Candidate(f"hand: {name}", search.sim(frozenset(plan) & kept), frozenset(plan) & kept)
             for name, plan in by_hand.items()
         ]
-        hand_fit = [t for t in hand_all if search.peak(t[0]) <= budget]
+        hand_fit = [c for c in hand_all if search.peak(c.result) <= budget]
         search.extra += search.evals - spent  # not taken from the greedy search
-    tried = [(r, k, name) for name, r, k in starts] + hand_all
-    if tried and not hand_fit and all(search.peak(t[0]) > budget for t in tried):
+    tried = starts + hand_all
+    if tried and not hand_fit and all(search.peak(c.result) > budget for c in tried):
         # step 6a: lower the lowest plan by drops, keeps and swaps (not from greedy's share)
-        low, low_kept, name = min(tried, key=lambda t: (search.peak(t[0]), t[0].recompute_cost))
+        low = min(tried, key=lambda c: (search.peak(c.result), c.result.recompute_cost))
         spent = search.evals
         search.limit = search.evals + max_evals // 4
-        starts.append((name, *search.lower(candidates, set(low_kept))))
+        starts.append(_candidate(low.method, search.lower(candidates, set(low.kept))))
         search.extra += search.evals - spent
-    fitting: dict[frozenset[int], tuple[str, SimResult]] = {}
-    for name, r, k in starts:
-        if search.peak(r) <= budget:
-            fitting.setdefault(frozenset(k), (name, r))
+    fitting: dict[frozenset[int], Candidate] = {}
+    for c in starts:
+        if search.peak(c.result) <= budget:
+            fitting.setdefault(c.kept, c)
     if not fitting and not hand_fit:  # step 7: the lowest peak of every plan tried
-        tried = [(r, k, name) for name, r, k in starts] + hand_all
+        tried = starts + hand_all
         if below_reach == "total":
-            low, low_kept, name = min(tried, key=lambda t: (t[0].peak_total_bytes, t[0].kept_bytes))
+            low = min(tried, key=lambda c: (c.result.peak_total_bytes, c.result.kept_bytes))
         else:
-            low, low_kept, name = min(tried, key=lambda t: (t[0].peak_bytes, t[0].recompute_cost))
-        return Solution(frozenset(low_kept), low, False, name)
+            low = min(tried, key=lambda c: (c.result.peak_bytes, c.result.recompute_cost))
+        return Solution(low.kept, low.result, False, low.method)
     # The greedy seeds share max_evals (the first may spend it all); then the cheapest start
     # of each graph seed gets a quarter of it on top, so graph seeds never take evaluations
     # from the greedy search.
-    greedy = [t for t in fitting.items() if t[1][0] in ("all", "greedy", "simulated")]
-    graph: dict[str, tuple[frozenset[int], tuple[str, SimResult]]] = {}
-    for t in sorted(fitting.items(), key=lambda t: t[1][1].recompute_cost):
-        if t[1][0] not in ("all", "greedy", "simulated"):
-            graph.setdefault(t[1][0], t)
-    plans = []
+    greedy = [c for c in fitting.values() if c.method in _GREEDY]
+    graph: dict[str, Candidate] = {}
+    for c in sorted(fitting.values(), key=lambda c: c.result.recompute_cost):
+        if c.method not in _GREEDY:
+            graph.setdefault(c.method, c)
+    plans: list[Candidate] = []
     search.limit = max_evals + search.extra
-    for start, (name, r) in greedy:
-        best, best_kept = search.improve(candidates, r, set(start))
-        plans.append((best, best_kept, name))
-    for start, (name, r) in graph.values():
+    for c in greedy:
+        plans.append(_candidate(c.method, search.improve(candidates, c.result, set(c.kept))))
+    for c in graph.values():
         search.limit = search.evals + max_evals // 4
-        best, best_kept = search.improve(candidates, r, set(start))
-        plans.append((best, best_kept, name))
+        plans.append(_candidate(c.method, search.improve(candidates, c.result, set(c.kept))))
     if hand_fit:  # each fitting hand plan as is, then a search from the cheapest if it wins
-        r, start_kept, name = min(hand_fit, key=lambda t: t[0].recompute_cost)
-        if not plans or r.recompute_cost < min(p[0].recompute_cost for p in plans):
+        cheapest = min(hand_fit, key=lambda c: c.result.recompute_cost)
+        if not plans or cheapest.result.recompute_cost < min(
+            p.result.recompute_cost for p in plans
+        ):
             search.limit = search.evals + max_evals // 4
-            best, best_kept = search.improve(candidates, r, set(start_kept))
-            plans.append((best, best_kept, name))
+            found = search.improve(candidates, cheapest.result, set(cheapest.kept))
+            plans.append(_candidate(cheapest.method, found))
         plans += hand_fit
     # ties go to the earliest method of SEEDS, then hand plans: a seed "wins" only when
     # strictly cheaper
     order = {m: i for i, m in enumerate(("all", *SEEDS))}
-    best, best_kept, name = min(
-        plans, key=lambda t: (t[0].recompute_cost, order.get(t[2], len(order)))
-    )
-    return Solution(frozenset(best_kept), best, True, name)
+    best = min(plans, key=lambda c: (c.result.recompute_cost, order.get(c.method, len(order))))
+    return Solution(best.kept, best.result, True, best.method)
 
 
 def search_evals(g: SimGraph) -> int:
@@ -377,15 +389,15 @@ def solve_from(
 
 def _starts(
     search: Search, candidates: Sequence[int], seeds: Sequence[str], milp_seconds: float
-) -> list[tuple[str, SimResult, set[int]]]:
+) -> list[Candidate]:
     """Starting plans of the local search, each repaired to fit when it can be."""
     g, budget = search.g, search.budget
     kept = set(candidates)
-    starts: list[tuple[str, SimResult, set[int]]] = []
+    starts: list[Candidate] = []
     if "greedy" in seeds:
-        starts.append(("greedy", *search.descend(kept)))
+        starts.append(_candidate("greedy", search.descend(kept)))
     if "simulated" in seeds and len(kept) <= SIM_GUIDED:
-        starts.append(("simulated", *search.repair(kept, -1)))
+        starts.append(_candidate("simulated", search.repair(kept, -1)))
     greedy_evals = search.evals
 
     def peak(k: frozenset[int]) -> int:
@@ -403,8 +415,13 @@ def _starts(
         for plan in plans:
             r = search.sim(plan)
             if search.peak(r) <= budget:
-                starts.append((name, r, set(plan)))
+                starts.append(Candidate(name, r, frozenset(plan)))
             elif len(candidates) <= _REPAIR_SEEDS:  # large graphs: repairs cost O(n) sims
-                starts.append((name, *search.descend(set(plan))))
+                starts.append(_candidate(name, search.descend(set(plan))))
     search.extra = search.evals - greedy_evals  # spent on graph seeds, not on greedy ones
     return starts
+
+
+def _candidate(method: str, found: tuple[SimResult, set[int]]) -> Candidate:
+    """The record of a plan a search returned as (result, kept ops)."""
+    return Candidate(method, found[0], frozenset(found[1]))
