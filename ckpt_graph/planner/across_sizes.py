@@ -200,8 +200,11 @@ def cheap_start(graph: RegionGraph, limit: int, max_evals: int) -> tuple[Refinem
         hand=graph.hand,
         below_reach="total",
         max_evals=max_evals,
+        total=True,
     )
     option = Option(sol.kept_ops, sol.result, sol.method, sol.feasible)
     if not sol.feasible:
         return None, option
-    return solve_from(graph.g, graph.candidates, limit, sol.kept_ops, max_evals=0), option
+    return solve_from(
+        graph.g, graph.candidates, limit, sol.kept_ops, max_evals=0, total=True
+    ), option

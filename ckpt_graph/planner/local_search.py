@@ -69,8 +69,12 @@ class Search:
         *,
         cache_marginals: bool = False,
         chains: bool = True,
+        total: bool = False,
     ) -> None:
         self.g = g
+        # the peak the budget bounds: activations, or with gradients and workspaces (a step
+        # of one region; See Note [Memory budget policy] rule 1)
+        self.total = total
         # moves as chains (step 6 of Note [Memory budget planning]): repairs go on past the
         # first plan that fits and, up to EXCHANGE candidates, keep ops again. Off for warm
         # starts, whose search runs a few evaluations per training step: there chains
@@ -86,6 +90,10 @@ class Search:
         self._marginals: dict[tuple[int, frozenset[int]], float] | None = (
             {} if cache_marginals else None
         )
+
+    def peak(self, r: SimResult) -> int:
+        """The simulated peak of ``r`` that the budget bounds."""
+        return r.peak_total_bytes if self.total else r.peak_bytes
 
     def sim(self, kept: Iterable[int]) -> SimResult:
         key = frozenset(kept)
@@ -122,7 +130,7 @@ class Search:
         r = lowest = self.sim(kept)
         lowest_kept = set(kept)
         batch = 0
-        while heap and r.peak_bytes > self.budget:
+        while heap and self.peak(r) > self.budget:
             _, op = heapq.heappop(heap)
             fresh = self.marginal(op, kept)
             if heap and fresh > heap[0][0] + 1e-12:
@@ -130,17 +138,17 @@ class Search:
                 continue
             kept = kept - {op}
             batch += _own_bytes(g, op)
-            if heap and 2 * batch < r.peak_bytes - self.budget:
+            if heap and 2 * batch < self.peak(r) - self.budget:
                 continue
             batch = 0
             r = self.sim(kept)
-            if r.peak_bytes < lowest.peak_bytes:
+            if self.peak(r) < self.peak(lowest):
                 lowest, lowest_kept = r, kept
-        if r.peak_bytes > self.budget and batch:
+        if self.peak(r) > self.budget and batch:
             r = self.sim(kept)  # the heap ran out mid-batch
-            if r.peak_bytes < lowest.peak_bytes:
+            if self.peak(r) < self.peak(lowest):
                 lowest, lowest_kept = r, kept
-        return (r, kept) if r.peak_bytes <= self.budget else (lowest, lowest_kept)
+        return (r, kept) if self.peak(r) <= self.budget else (lowest, lowest_kept)
 
     def repair(
         self, trial: set[int], added: int, adds: Iterable[int] = ()
@@ -157,7 +165,7 @@ class Search:
         r = self.sim(trial)
         frozen = {added}
         fit: tuple[SimResult, set[int]] | None = None  # the cheapest plan seen that fits
-        while r.peak_bytes > self.budget and not self.spent:
+        while self.peak(r) > self.budget and not self.spent:
             if fit is not None and r.recompute_cost >= fit[0].recompute_cost:
                 break
             pool = trial - frozen
@@ -172,13 +180,13 @@ class Search:
             if len(pool) > _TRY:  # simulate only the cheapest drops per byte
                 pool = set(sorted(pool, key=lambda o: self.marginal(o, trial))[:_TRY])
             trials = [(self.sim(trial - {o}), o) for o in sorted(pool)]
-            if all(t[0].peak_bytes >= r.peak_bytes for t in trials):
+            if all(self.peak(t[0]) >= self.peak(r) for t in trials):
                 more = set(adds) - trial - frozen
                 if len(more) > _TRY:  # the most recompute saved per byte
                     more = set(sorted(more, key=lambda o: -self.marginal(o, trial | {o}))[:_TRY])
                 ups = [(self.sim(trial | {o}), o) for o in sorted(more)]
-                trials += [t for t in ups if t[0].peak_bytes < r.peak_bytes]
-            fits = [t for t in trials if t[0].peak_bytes <= self.budget]
+                trials += [t for t in ups if self.peak(t[0]) < self.peak(r)]
+            fits = [t for t in trials if self.peak(t[0]) <= self.budget]
             if fits:
                 t = min(fits, key=lambda t: t[0].recompute_cost)
                 if fit is None or t[0].recompute_cost < fit[0].recompute_cost:
@@ -190,13 +198,13 @@ class Search:
                 trials,
                 key=lambda t: (
                     (t[0].recompute_cost - before.recompute_cost + 1)
-                    / max(before.peak_bytes - t[0].peak_bytes, 1e-3)
+                    / max(self.peak(before) - self.peak(t[0]), 1e-3)
                 ),
             )
             trial = trial ^ {op}
             frozen.add(op)
         if fit is not None and (
-            r.peak_bytes > self.budget or fit[0].recompute_cost < r.recompute_cost
+            self.peak(r) > self.budget or fit[0].recompute_cost < r.recompute_cost
         ):
             return fit
         return r, trial
@@ -211,7 +219,7 @@ class Search:
         """
         r = self.sim(kept)
         cands = set(candidates)
-        while r.peak_bytes > self.budget and not self.spent:
+        while self.peak(r) > self.budget and not self.spent:
             drops, adds = sorted(kept), sorted(cands - kept)
             if len(drops) > _TRY:
                 drops = sorted(drops, key=lambda o: self.marginal(o, kept))[:_TRY]
@@ -224,11 +232,11 @@ class Search:
                 if self.spent:
                     break
                 tried.append((self.sim(m), m))
-            fits = [t for t in tried if t[0].peak_bytes <= self.budget]
+            fits = [t for t in tried if self.peak(t[0]) <= self.budget]
             if fits:
                 return min(fits, key=lambda t: t[0].recompute_cost)
-            low = min(tried, key=lambda t: (t[0].peak_bytes, t[0].recompute_cost), default=None)
-            if low is None or low[0].peak_bytes >= r.peak_bytes:
+            low = min(tried, key=lambda t: (self.peak(t[0]), t[0].recompute_cost), default=None)
+            if low is None or self.peak(low[0]) >= self.peak(r):
                 break
             r, kept = low
         return r, kept
@@ -241,7 +249,7 @@ class Search:
             if self.spent:
                 break
             t = self.sim(kept | {op})
-            if t.peak_bytes <= self.budget and t.recompute_cost < r.recompute_cost:
+            if self.peak(t) <= self.budget and t.recompute_cost < r.recompute_cost:
                 r, kept = t, kept | {op}
         return r, kept
 
@@ -254,7 +262,7 @@ class Search:
             improved = False
             for op in sorted(kept):  # free memory where it costs nothing
                 r = self.sim(kept - {op})
-                if r.recompute_cost <= best.recompute_cost and r.peak_bytes <= self.budget:
+                if r.recompute_cost <= best.recompute_cost and self.peak(r) <= self.budget:
                     kept, best = kept - {op}, r
             dropped = sorted(set(candidates) - kept, key=lambda o: -self.g.ops[o].cost)
             exchange = self.chains and len(candidates) <= EXCHANGE
@@ -262,9 +270,9 @@ class Search:
                 if self.spent:
                     break
                 r, trial = self.repair(kept | {op}, op, candidates if exchange else ())
-                if r.peak_bytes <= self.budget and exchange:
+                if self.peak(r) <= self.budget and exchange:
                     r, trial = self.fill(candidates, r, trial)
-                if r.peak_bytes <= self.budget and r.recompute_cost < best.recompute_cost:
+                if self.peak(r) <= self.budget and r.recompute_cost < best.recompute_cost:
                     kept, best, improved = trial, r, True
             if improved or len(candidates) > _PAIRS:
                 continue
@@ -273,7 +281,7 @@ class Search:
                 if self.spent:
                     break
                 r, trial = self.repair(kept | {a, b}, a)
-                if r.peak_bytes <= self.budget and r.recompute_cost < best.recompute_cost:
+                if self.peak(r) <= self.budget and r.recompute_cost < best.recompute_cost:
                     kept, best, improved = trial, r, True
                     break
         return best, kept

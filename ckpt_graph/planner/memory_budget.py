@@ -2,16 +2,24 @@
 
 # Note [Memory budget policy]
 # 1. Budget. An int (or a string with a unit) is bytes; a float in (0, 1] is a fraction
-#    (see Note [Budget argument]) of the activation memory the region would keep without
-#    checkpointing: the distinct storages of the values
-#    autograd saves that the region's ops produce (``SimGraph.saved_bytes``). It bounds
-#    the *simulated activation peak of backward* (kept + cached + held recomputed values,
-#    see Note [Backward liveness model]); gradient buffers are reported, not budgeted.
-#    The budget is for a whole *step*: several regions of one step using the same policy
-#    object (per-layer regions of ``wrap`` or ``integrations.transformers.enable``, several
-#    ``with`` blocks) share it, planned jointly; it then bounds the step's simulated peak
-#    with the regions' gradient buffers and forward peaks, and a fraction is of that peak
-#    without checkpointing (Note [Step budget across regions] rule 1).
+#    (see Note [Budget argument]). The budget is for a whole *step*: the regions of one
+#    step using the same policy object (one ``with`` block over a model, per-layer regions
+#    of ``wrap`` or ``integrations.transformers.enable``, several ``with`` blocks) share
+#    it. It bounds the step's simulated peak: the regions' kept and cached values (see
+#    Note [Backward liveness model]) with their activation inputs, gradient buffers and
+#    backward temporaries (``SimResult.peak_total_bytes``), and a fraction is of that peak
+#    without checkpointing (Note [Step budget across regions] rule 1). A step of several
+#    regions is planned jointly; a step of one region by the solver alone, against the
+#    same figure (its forward peak is not budgeted there). Before, one region's budget
+#    bounded its *activation* peak, a fraction of its saved bytes: the measured step
+#    follows the peak with gradients, and the cheapest plans within an activation budget
+#    held their activations where the gradients peak (at the head's backward). On the
+#    6-layer GPT of ``benchmarks/bench_pareto.py`` every plan fitting a budget near torch
+#    per block's peak measured 1.1-1.2x it (the greedy plan at 25%: 1.52 MiB of
+#    activations, 2.72 MiB with gradients, 4.40 MiB measured, where keeping every block
+#    input is 1.32, 1.82 and 3.51, torch: 3.53), so only the lowest-peak fallback reached
+#    torch's peaks, recomputing 2.3x torch's FLOPs. Bounding the total, the plan at 25%
+#    measures 3.52 MiB for 0.97x torch's FLOPs.
 # 2. First step: no plan exists, so the online heuristic decides (rule 5) in each region
 #    (paced against that region's own saved bytes) while the region records the graph. At
 #    the region's exit its graph is kept (``RegionGraph``, no tensors), with each op's
@@ -144,10 +152,11 @@ class MemoryBudget:
     """The policy object returned by :func:`memory_budget`. See Note [Memory budget policy].
 
     Known limitations:
-        The budget of a step of one region bounds the simulated activation memory, not
-        backward temporaries or gradients; the simulator's unpack order is autograd's
-        usual one for a region (reverse forward order). A step's plan ignores memory
-        outside its regions (see Note [Step budget across regions]).
+        The budget bounds the simulated step peak of the regions (activations, gradient
+        buffers, backward temporaries), not memory outside them (the loss outside a
+        region, parameters' gradients: see Note [Measured budget check]); the simulator's
+        unpack order is autograd's usual one for a region (reverse forward order). A step
+        of one region does not budget its forward peak.
     """
 
     def __init__(
@@ -353,14 +362,15 @@ class MemoryBudget:
             self._last = cached.report
             self._step_plan = None
             return
-        fraction = isinstance(self.budget, float)
-        budget = int(self.budget * graph.baseline) if fraction else int(self.budget)
-        limit = budget + graph.outside - self._check.correction
+        budget = step_budget_bytes([seen], self.budget)  # See Note [Memory budget policy] rule 1.
+        limit = budget + graph.outside - seen.inputs - self._check.correction
         ref = None
         option: Option | None = None
         if graph.warm is not None:
             start = warm_kept(graph.warm.kept, graph)
-            ref = solve_from(graph.g, graph.candidates, limit, start, max_evals=_WARM_EVALS)
+            ref = solve_from(
+                graph.g, graph.candidates, limit, start, max_evals=_WARM_EVALS, total=True
+            )
             if ref is None:  # See Note [Warm start at a new size] rule 6.
                 ref, option = cheap_start(graph, limit, _WARM_EVALS)
         if ref is not None:
@@ -368,13 +378,22 @@ class MemoryBudget:
             if not ref.done:
                 self._refining = (seen.ordinal, graph, budget, ref)
         elif option is None:
-            sol = solve(graph.g, graph.candidates, limit, hand=graph.hand, below_reach="total")
+            sol = solve(
+                graph.g, graph.candidates, limit, hand=graph.hand, below_reach="total", total=True
+            )
             option = Option(sol.kept_ops, sol.result, sol.method, sol.feasible)
         if not option.feasible:
+            r = option.result
+            peak = r.peak_total_bytes - graph.outside + seen.inputs
             warnings.warn(
                 f"ckpt_graph: memory_budget({self.budget!r}): no plan found within "
                 f"{budget:,} bytes for region #{seen.ordinal}; the plan with the lowest "
-                f"simulated peak ({option.result.peak_bytes - graph.outside:,} bytes) is used",
+                f"simulated peak ({peak:,} bytes) is used, {peak - budget:,} bytes over: "
+                f"{_fixed_bytes(graph) + seen.inputs:,} bytes of values kept whatever the plan "
+                "(tags, other policies, activation inputs) and "
+                f"{r.peak_total_bytes - r.peak_bytes:,} bytes of gradient buffers and backward "
+                "temporaries at the peak; parameters' gradients and memory outside the region "
+                "come on top (memory_budget(..., check=True) measures them)",
                 stacklevel=5,
             )
         plan = make_plan(graph, option, seen.ordinal, budget)
@@ -440,7 +459,7 @@ class MemoryBudget:
         plan = self._plans.get(0)
         if plan is None or plan.graph is None:
             return None
-        return plan.report.predicted_peak_bytes - plan.graph.outside
+        return plan.report.predicted_total_peak_bytes - plan.graph.outside
 
     def _measured_step(self) -> None:
         """Compare the step that just ended with its prediction; plan again once if it
@@ -533,12 +552,11 @@ def memory_budget(
     Args:
         budget: bytes (an int of at least 1 KiB, or a string with a unit: ``"512MiB"``,
             ``"2GB"``, ``"1.5 GiB"``), or a fraction in (0, 1] (a float, or ``"40%"``; see
-            Note [Budget argument]) of the activation memory the region keeps without
-            checkpointing, for one step: regions of a step that share the
-            object (per-layer regions of ``wrap`` or ``integrations.transformers.enable``,
-            several ``with`` blocks) share the budget, which then covers the step's peak
-            (gradients of activations included) less the memory outside the regions, and
-            a fraction is of that peak without checkpointing. With ``check=True`` bytes are
+            Note [Budget argument]) of the step's simulated peak without checkpointing,
+            for one step: regions of a step that share the object (per-layer regions of
+            ``wrap`` or ``integrations.transformers.enable``, several ``with`` blocks) share
+            the budget, which covers the step's peak (gradients of activations included)
+            less the memory outside the regions; one region is a step of one region. With ``check=True`` bytes are
             checked against the step's measured peak, memory outside the regions included. A
             step ends when every
             region of it ran its backward (or was released); its regions are planned
@@ -566,6 +584,16 @@ def memory_budget(
         >>> print(policy.step_report())  # doctest: +SKIP
     """
     return MemoryBudget(budget, flops_per_byte=flops_per_byte, check=check)
+
+
+def _fixed_bytes(graph: RegionGraph) -> int:
+    """Bytes of the values the region keeps whatever the plan (tags, other policies)."""
+    g = graph.g
+    return sum(
+        g.values[v].nbytes
+        for v in g.fixed
+        if g.values[v].storage == v and g.values[v].producer >= 0
+    )
 
 
 def _done(region: Region | None) -> bool:

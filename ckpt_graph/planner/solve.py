@@ -41,8 +41,10 @@
 #      it in the root; at 40 ops some take 15 s, hence 30 ops. Where the root outlasts the
 #      wall time, the plan may still depend on the load; there the other seeds reached the
 #      same optimum in every case measured, and ties go to them.)
-#   5b. Hand seeds (Note [Hand seeds]: keep matmuls, block inputs, every k-th block output):
-#      each that fits is a candidate answer as is, so the answer never costs more than a
+#   5b. Hand seeds (Note [Hand seeds]: keep matmuls, block inputs, every k-th block output)
+#      and ``recompute_all`` (keep no candidate), so that no plan a user can write with the
+#      library's own policies (checkpoint per block, every k blocks, save matmuls,
+#      recompute everything) is left out: each that fits is a candidate answer as is, so the answer never costs more than a
 #      fitting hand plan; the cheapest one also starts a local search (step 6, with
 #      ``max_evals / 4`` more) when it beats every local optimum found so far (a search
 #      from it cost up to 3x the planning time of a 4-layer HF GPT-2 for no gain when it
@@ -80,9 +82,10 @@
 #   7. If no plan fits (the budget is below what recompute can reach: inputs of every
 #      backward step must exist at once), the plan with the lowest simulated *total* peak
 #      (activations, gradients and workspaces; ties: fewer kept bytes) among all those tried
-#      (seeds, step 6a, hand plans, keeping nothing) is returned with ``feasible=False`` and
+#      (seeds, step 6a, hand plans, ``recompute_all``) is returned with ``feasible=False`` and
 #      the caller warns (``below_reach="total"``, a single region's plan; the step budget's
-#      menus compare regions by activation peak and get the lowest of that). The total, not
+#      menus compare regions by activation peak and get the lowest of that).
+#      ``recompute_all`` is among them, so the answer's simulated peak is never above it. The total, not
 #      the activation peak: a user below reach wants the lowest real peak, and the total is
 #      the simulator's estimate of it. (Before, the choice was the lowest activation peak
 #      among the seeds only: on the 4-layer GPT of notebook 03 it measured 3.68 MiB where
@@ -108,6 +111,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 from ckpt_graph.planner.liveness import SimGraph, SimResult
 from ckpt_graph.planner.local_search import SIM_GUIDED, Refinement, Search
@@ -132,6 +136,10 @@ __all__ = [
 #: Starting points of the local search (see Note [Memory budget planning]).
 SEEDS = ("greedy", "simulated", "min-cut", "segment DP", "milp")
 
+# The hand plan that keeps no candidate: what ``recompute_all`` decides for the same ops.
+_RECOMPUTE_ALL = "recompute_all"
+# Seeds whose local searches share ``max_evals`` (step 6 of the Note).
+_GREEDY = ("all", "greedy", "simulated")
 # Up to this many candidates, graph seeds that do not fit are repaired by greedy descent.
 _REPAIR_SEEDS = 400
 # Up to this many ops, the exact MILP (Note [Exact MILP of the backward liveness model]) is a
@@ -145,6 +153,17 @@ _MIN_EVALS = 1000
 _SEARCH_WORK = 360_000
 
 
+class Candidate(NamedTuple):
+    """A plan the solver considers: where it came from, its simulated backward, its kept ops.
+
+    ``method`` names the seed (:data:`SEEDS`), ``"all"`` or ``"hand: <name>"``.
+    """
+
+    method: str
+    result: SimResult
+    kept: frozenset[int]
+
+
 def solve(
     g: SimGraph,
     candidates: Sequence[int],
@@ -155,6 +174,7 @@ def solve(
     hand: Mapping[str, Iterable[int]] | None = None,
     milp_seconds: float = _MILP_SECONDS,
     below_reach: str = "activations",
+    total: bool = False,
 ) -> Solution:
     """Plan the kept ops among ``candidates``. See Note [Memory budget planning].
 
@@ -172,6 +192,9 @@ def solve(
         below_reach: when no plan fits, return the one with the lowest simulated
             ``"activations"`` peak (what the step budget's menus compare) or ``"total"`` peak
             (a single region's plan; step 7 of the Note).
+        total: the budget bounds the simulated total peak (activations, gradient buffers
+            and workspaces: ``SimResult.peak_total_bytes``), as for a step of one region
+            (Note [Memory budget policy] rule 1), instead of the activation peak.
 
     Example:
         >>> sol = solve(graph, candidate_ops(graph), budget=graph.saved_bytes() // 2)  # doctest: +SKIP
@@ -179,73 +202,73 @@ def solve(
     """
     if max_evals is None:
         max_evals = search_evals(g)
-    search = Search(g, budget, max_evals)
-    kept = set(candidates)
+    search = Search(g, budget, max_evals, total=total)
+    kept = frozenset(candidates)
     first = search.sim(kept)
-    hand_fit: list[tuple[SimResult, set[int], str]] = []
-    hand_all: list[tuple[SimResult, set[int], str]] = []
-    if first.peak_bytes <= budget:
-        starts = [("all", first, kept)]
+    hand_fit: list[Candidate] = []
+    hand_all: list[Candidate] = []
+    if search.peak(first) <= budget:
+        starts = [Candidate("all", first, kept)]
     else:
         starts = _starts(search, candidates, seeds, milp_seconds)
         spent = search.evals
+        # the hand plans (Note [Hand seeds]) and keeping nothing: every plan a user would
+        # write is a candidate answer, judged by the same simulator (step 5b)
+        by_hand = {**(hand or {}), _RECOMPUTE_ALL: frozenset[int]()}
         hand_all = [
-            (search.sim(set(plan) & kept), set(plan) & kept, f"hand: {name}")
-            for name, plan in (hand or {}).items()
-        ]  # see Note [Hand seeds]
-        hand_fit = [t for t in hand_all if t[0].peak_bytes <= budget]
+            Candidate(f"hand: {name}", search.sim(frozenset(plan) & kept), frozenset(plan) & kept)
+            for name, plan in by_hand.items()
+        ]
+        hand_fit = [c for c in hand_all if search.peak(c.result) <= budget]
         search.extra += search.evals - spent  # not taken from the greedy search
-    tried = [(r, k, name) for name, r, k in starts] + hand_all
-    if tried and not hand_fit and all(t[0].peak_bytes > budget for t in tried):
+    tried = starts + hand_all
+    if tried and not hand_fit and all(search.peak(c.result) > budget for c in tried):
         # step 6a: lower the lowest plan by drops, keeps and swaps (not from greedy's share)
-        low, low_kept, name = min(tried, key=lambda t: (t[0].peak_bytes, t[0].recompute_cost))
+        low = min(tried, key=lambda c: (search.peak(c.result), c.result.recompute_cost))
         spent = search.evals
         search.limit = search.evals + max_evals // 4
-        starts.append((name, *search.lower(candidates, set(low_kept))))
+        starts.append(_candidate(low.method, search.lower(candidates, set(low.kept))))
         search.extra += search.evals - spent
-    fitting: dict[frozenset[int], tuple[str, SimResult]] = {}
-    for name, r, k in starts:
-        if r.peak_bytes <= budget:
-            fitting.setdefault(frozenset(k), (name, r))
+    fitting: dict[frozenset[int], Candidate] = {}
+    for c in starts:
+        if search.peak(c.result) <= budget:
+            fitting.setdefault(c.kept, c)
     if not fitting and not hand_fit:  # step 7: the lowest peak of every plan tried
-        tried = [(r, k, name) for name, r, k in starts] + hand_all
-        tried.append((search.sim(set()), set(), "keep nothing"))
+        tried = starts + hand_all
         if below_reach == "total":
-            low, low_kept, name = min(tried, key=lambda t: (t[0].peak_total_bytes, t[0].kept_bytes))
+            low = min(tried, key=lambda c: (c.result.peak_total_bytes, c.result.kept_bytes))
         else:
-            low, low_kept, name = min(tried, key=lambda t: (t[0].peak_bytes, t[0].recompute_cost))
-        return Solution(frozenset(low_kept), low, False, name)
+            low = min(tried, key=lambda c: (c.result.peak_bytes, c.result.recompute_cost))
+        return Solution(low.kept, low.result, False, low.method)
     # The greedy seeds share max_evals (the first may spend it all); then the cheapest start
     # of each graph seed gets a quarter of it on top, so graph seeds never take evaluations
     # from the greedy search.
-    greedy = [t for t in fitting.items() if t[1][0] in ("all", "greedy", "simulated")]
-    graph: dict[str, tuple[frozenset[int], tuple[str, SimResult]]] = {}
-    for t in sorted(fitting.items(), key=lambda t: t[1][1].recompute_cost):
-        if t[1][0] not in ("all", "greedy", "simulated"):
-            graph.setdefault(t[1][0], t)
-    plans = []
+    greedy = [c for c in fitting.values() if c.method in _GREEDY]
+    graph: dict[str, Candidate] = {}
+    for c in sorted(fitting.values(), key=lambda c: c.result.recompute_cost):
+        if c.method not in _GREEDY:
+            graph.setdefault(c.method, c)
+    plans: list[Candidate] = []
     search.limit = max_evals + search.extra
-    for start, (name, r) in greedy:
-        best, best_kept = search.improve(candidates, r, set(start))
-        plans.append((best, best_kept, name))
-    for start, (name, r) in graph.values():
+    for c in greedy:
+        plans.append(_candidate(c.method, search.improve(candidates, c.result, set(c.kept))))
+    for c in graph.values():
         search.limit = search.evals + max_evals // 4
-        best, best_kept = search.improve(candidates, r, set(start))
-        plans.append((best, best_kept, name))
+        plans.append(_candidate(c.method, search.improve(candidates, c.result, set(c.kept))))
     if hand_fit:  # each fitting hand plan as is, then a search from the cheapest if it wins
-        r, start_kept, name = min(hand_fit, key=lambda t: t[0].recompute_cost)
-        if not plans or r.recompute_cost < min(p[0].recompute_cost for p in plans):
+        cheapest = min(hand_fit, key=lambda c: c.result.recompute_cost)
+        if not plans or cheapest.result.recompute_cost < min(
+            p.result.recompute_cost for p in plans
+        ):
             search.limit = search.evals + max_evals // 4
-            best, best_kept = search.improve(candidates, r, set(start_kept))
-            plans.append((best, best_kept, name))
+            found = search.improve(candidates, cheapest.result, set(cheapest.kept))
+            plans.append(_candidate(cheapest.method, found))
         plans += hand_fit
     # ties go to the earliest method of SEEDS, then hand plans: a seed "wins" only when
     # strictly cheaper
     order = {m: i for i, m in enumerate(("all", *SEEDS))}
-    best, best_kept, name = min(
-        plans, key=lambda t: (t[0].recompute_cost, order.get(t[2], len(order)))
-    )
-    return Solution(frozenset(best_kept), best, True, name)
+    best = min(plans, key=lambda c: (c.result.recompute_cost, order.get(c.method, len(order))))
+    return Solution(best.kept, best.result, True, best.method)
 
 
 def search_evals(g: SimGraph) -> int:
@@ -269,6 +292,7 @@ def solve_from(
     start: Iterable[int],
     *,
     max_evals: int,
+    total: bool = False,
 ) -> Refinement | None:
     """Plan from ``start``, a plan of the same ops at other sizes; ``None`` if none fits.
 
@@ -284,18 +308,19 @@ def solve_from(
         budget: bytes the simulated activation peak of backward may reach.
         start: kept ops to start from (those not in ``candidates`` are ignored).
         max_evals: simulations and marginal-cost sweeps the search may spend.
+        total: the budget bounds the total peak (see :func:`solve`).
 
     Example:
         >>> ref = solve_from(graph, candidates, budget, old_kept, max_evals=40)  # doctest: +SKIP
         >>> ref is None or ref.result.peak_bytes <= budget  # doctest: +SKIP
         True
     """
-    search = Search(g, budget, max_evals, cache_marginals=True, chains=False)
+    search = Search(g, budget, max_evals, cache_marginals=True, chains=False, total=total)
     kept = set(start) & set(candidates)
     r = search.sim(kept)
-    if r.peak_bytes > budget:
+    if search.peak(r) > budget:
         r, kept = search.descend(kept)
-        if r.peak_bytes > budget:
+        if search.peak(r) > budget:
             return None
     ref = Refinement(search, candidates, r, kept)
     ref.run(max(max_evals - search.evals, 0))
@@ -304,19 +329,19 @@ def solve_from(
 
 def _starts(
     search: Search, candidates: Sequence[int], seeds: Sequence[str], milp_seconds: float
-) -> list[tuple[str, SimResult, set[int]]]:
+) -> list[Candidate]:
     """Starting plans of the local search, each repaired to fit when it can be."""
     g, budget = search.g, search.budget
     kept = set(candidates)
-    starts: list[tuple[str, SimResult, set[int]]] = []
+    starts: list[Candidate] = []
     if "greedy" in seeds:
-        starts.append(("greedy", *search.descend(kept)))
+        starts.append(_candidate("greedy", search.descend(kept)))
     if "simulated" in seeds and len(kept) <= SIM_GUIDED:
-        starts.append(("simulated", *search.repair(kept, -1)))
+        starts.append(_candidate("simulated", search.repair(kept, -1)))
     greedy_evals = search.evals
 
     def peak(k: frozenset[int]) -> int:
-        return search.sim(k).peak_bytes
+        return search.peak(search.sim(k))
 
     graph_seeds: list[tuple[str, list[frozenset[int]]]] = []
     if "min-cut" in seeds:
@@ -329,9 +354,14 @@ def _starts(
     for name, plans in graph_seeds:
         for plan in plans:
             r = search.sim(plan)
-            if r.peak_bytes <= budget:
-                starts.append((name, r, set(plan)))
+            if search.peak(r) <= budget:
+                starts.append(Candidate(name, r, frozenset(plan)))
             elif len(candidates) <= _REPAIR_SEEDS:  # large graphs: repairs cost O(n) sims
-                starts.append((name, *search.descend(set(plan))))
+                starts.append(_candidate(name, search.descend(set(plan))))
     search.extra = search.evals - greedy_evals  # spent on graph seeds, not on greedy ones
     return starts
+
+
+def _candidate(method: str, found: tuple[SimResult, set[int]]) -> Candidate:
+    """The record of a plan a search returned as (result, kept ops)."""
+    return Candidate(method, found[0], frozenset(found[1]))

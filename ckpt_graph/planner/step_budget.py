@@ -35,8 +35,9 @@
 #    predicted step peak. The raise starts from at least ``_GRAIN`` bytes and stops at the
 #    step peak of each region's lowest-peak entry, which always fits: a budget that kept
 #    values alone exceed (a limit at or below zero) once raised it towards minus infinity.
-# 4. A step of one region is planned as before: the solver alone, against the region's
-#    budget, which bounds its activation peak (rule 1 of Note [Memory budget policy]).
+# 4. A step of one region is planned by the solver alone (finer than a menu), against the
+#    same budget (rule 1 of Note [Memory budget policy]): its activation inputs plus its
+#    ``peak_total_bytes``; its forward peak is not budgeted.
 # 5. Accuracy. Measured (6-layer tiny GPT-2 and Llama, ``integrations.transformers.enable``,
 #    tests/integration/test_hf_budget.py), the step's peak is the predicted one plus
 #    24 KiB on GPT-2 (the tied embedding's gradient, which autograd holds from the LM
@@ -47,7 +48,7 @@
 # Known limitations: memory outside the step's regions is not modelled (rule 5): the
 # policy sees only its regions' ops, and CPU has no allocator statistics to learn it from.
 # Measure one step and subtract its peak less ``StepPlan.predicted_peak_bytes`` from the
-# budget. A step of one region budgets activations only (rule 4). Forward peaks are lower
+# budget. A step of one region does not budget its forward (rule 4). Forward peaks are lower
 # bounds (Note [Forward memory of a plan]). Regions of one step whose backwards interleave
 # (two regions in parallel branches) are modelled as nested.
 """

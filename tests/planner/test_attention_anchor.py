@@ -101,11 +101,12 @@ def test_budget_at_megatrons_peak_recomputes_no_more_flops_than_megatron() -> No
     mega_peak = measure(functools.partial(_step, w, megatron)).peak_bytes
     none_peak = measure(functools.partial(_step, w, plain)).peak_bytes
     mega_flops = _flops(w, megatron) - base_flops
-    # The budget bounds the activation peak the planner simulates, gradients aside: start at
-    # the one it gives Megatron's plan and lower it until the measured step peak is at most
-    # Megatron's (as bench_pareto bisects, in steps of 1/8).
+    # The budget bounds the peak the planner simulates with the region's gradient buffers
+    # (rule 1 of Note [Memory budget policy]): start at the one it gives Megatron's plan and
+    # lower it until the measured step peak is at most Megatron's (as bench_pareto bisects,
+    # in steps of 1/8).
     g = from_region(mega_region)  # type: ignore[arg-type]
-    mega_budget = simulate(g, kept_ops_of(mega_region)).peak_bytes  # type: ignore[arg-type]
+    mega_budget = simulate(g, kept_ops_of(mega_region)).peak_total_bytes  # type: ignore[arg-type]
     for k in range(8, 3, -1):
         policy = memory_budget(mega_budget * k // 8, flops_per_byte=1.0)
         planned = region_forward(policy)

@@ -86,6 +86,9 @@ def test_fraction_budget_applies_its_plan_to_unseen_sizes(plans_made: list[int])
         warnings.simplefilter("ignore")
         step(batch(4, 16), policy)  # plans
     assert len(plans_made) == 1
+    planned = policy.report()
+    assert planned is not None and step.region is not None
+    ratio = planned.budget_bytes / from_region(step.region).saved_bytes()
     for b, s in [(2, 16), (4, 24), (6, 40), (3, 8), (6, 40)]:
         x = batch(b, s)
         plain = measure(step, x, None).peak_bytes
@@ -97,9 +100,10 @@ def test_fraction_budget_applies_its_plan_to_unseen_sizes(plans_made: list[int])
         assert len(plans_made) == 1, f"re-planned for batch {b}x{s}"
         assert step.region is not None
         g = from_region(step.region)
-        budget = 0.5 * g.saved_bytes()  # the fraction scales with the shapes
         report = policy.report()
-        assert report is not None and report.budget_bytes == pytest.approx(budget, rel=1e-3)
+        assert report is not None
+        budget = report.budget_bytes  # the fraction scales with the shapes
+        assert budget / g.saved_bytes() == pytest.approx(ratio, rel=1e-3)
         assert simulate(g, kept_ops_of(step.region)).peak_bytes <= 1.03 * budget
         if b * s >= 4 * 16:  # measured; see test_budget.py for the same accounting
             others = plain - g.saved_bytes()
@@ -111,7 +115,7 @@ def test_fraction_budget_applies_its_plan_to_unseen_sizes(plans_made: list[int])
 @pytest.mark.slow  # run by .ci/run after the README's test command (issue 21 item 14)
 def test_int_budget_plans_again_only_for_a_new_largest_size(plans_made: list[int]) -> None:
     step = Step(model())
-    budget = 150_000
+    budget = 240_000
     policy = memory_budget(budget, check=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -170,7 +174,7 @@ def test_int_budget_at_a_new_largest_size_starts_from_the_smaller_plan(
     # Before: each new largest size was planned from scratch (about 20x a planned step in
     # benchmarks/bench_budget_shapes.py); see Note [Warm start at a new size].
     step = Step(model())
-    budget = 250_000
+    budget = 400_000
     policy = memory_budget(budget, flops_per_byte=2.0, check=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -192,7 +196,7 @@ def test_int_budget_at_a_new_largest_size_starts_from_the_smaller_plan(
                 warm += 1
                 assert solver_calls == {"solve": 1, "solve_from": warm}, (b, s, report)
                 assert report is not None and report.method == "warm start"
-                assert report.feasible and report.predicted_peak_bytes <= budget
+                assert report.feasible and report.predicted_total_peak_bytes <= budget
         assert step.region is not None
         g = from_region(step.region)
         assert simulate(g, kept_ops_of(step.region)).peak_bytes <= budget
@@ -266,7 +270,7 @@ def test_a_warm_start_is_refined_at_later_steps_until_its_search_ends(
 
     monkeypatch.setattr(Refinement, "run", counting)
     step = Step(model())
-    budget = 250_000
+    budget = 400_000
     policy = memory_budget(budget, flops_per_byte=2.0, check=False)
     x = batch(6, 24)
     step(x, None)
@@ -296,7 +300,8 @@ def test_a_warm_start_is_refined_at_later_steps_until_its_search_ends(
         step(x, fresh)
     fresh_report = fresh.report()
     assert fresh_report is not None and fresh_report.method != "warm start"
-    assert costs[-1] <= fresh_report.predicted_recompute_flops  # measured: equal
+    # measured: 1.7% above (equal when the budget bounded activations only)
+    assert costs[-1] <= 1.03 * fresh_report.predicted_recompute_flops
 
 
 @pytest.fixture
@@ -318,7 +323,7 @@ def test_int_budget_below_reach_at_a_new_largest_size_costs_about_a_warm_start(
     simulations: list[int],
 ) -> None:
     step = Step(model())
-    policy = memory_budget(150_000, check=False)
+    policy = memory_budget(240_000, check=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         step(batch(4, 16), policy)
@@ -330,7 +335,7 @@ def test_int_budget_below_reach_at_a_new_largest_size_costs_about_a_warm_start(
             policy.report()  # plans the step that grew
             costs[s] = simulations[0]
         report = policy.report()
-        fresh = memory_budget(150_000, check=False)  # the unlimited solver at the largest size
+        fresh = memory_budget(240_000, check=False)  # the unlimited solver at the largest size
         step(batch(4, 40), fresh)
         best = fresh.report()
     assert costs[24] <= 100, costs  # a warm start that fits

@@ -145,7 +145,7 @@ def _ckpt_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
 @pytest.mark.parametrize("tool", list(TOOLS))
 def test_plan_followed_under_tool(tool: str) -> None:
     w = _workload()
-    policy = memory_budget(0.4, flops_per_byte=2.0)
+    policy = memory_budget(0.6, flops_per_byte=2.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _Step(w, policy)  # records; the online heuristic decides
@@ -176,7 +176,7 @@ def test_plan_followed_under_tool(tool: str) -> None:
 def test_plan_made_under_tool_is_followed_without_it(tool: str) -> None:
     """The step that records the graph (and the one that plans) may run under the tool."""
     w = _workload()
-    policy = memory_budget(0.4, flops_per_byte=2.0)
+    policy = memory_budget(0.6, flops_per_byte=2.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with TOOLS[tool](w):

@@ -94,7 +94,7 @@ def test_pointwise_ops_cost_their_bytes_moved() -> None:
     x = torch.randn(64, 32)
     predicted = []
     for fpb in (1.0, 8.0):
-        policy = memory_budget(0.5, flops_per_byte=fpb)
+        policy = memory_budget(0.85, flops_per_byte=fpb)  # of the peak with gradients
         with cg.save_recompute_policy(policy) as region:
             y = torch.nn.functional.gelu(lin(x)).sin().cos().exp()
         y.sum().backward()
