@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
-from ckpt_graph.engine.lowering import checkpoint_lowered, needs_region
+from ckpt_graph.engine.lowering import checkpoint_lowered, runs_eagerly
 from ckpt_graph.integrations.activity import (
     announce,
     describe_modules,
@@ -92,7 +92,7 @@ class RegionForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # constant under dynamo; False when eager
             # See Note [Wrapped modules under torch.compile]
-            if needs_region(self.policy):
+            if runs_eagerly(self.policy):
                 return _RUN_EAGERLY[0](self, args, kwargs)
             module = self.module
             if self.previous is None:
