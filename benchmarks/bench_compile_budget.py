@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters
 from torch._functorch import config as functorch_config
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -164,9 +165,11 @@ def _measure_model(
             torch_flops = _backward_flops(theirs, t_run, inputs)
             torch_case.step()
             torch_diff = _max_diff(theirs, expected)
+        torch._dynamo.reset()
         policy = policies.memory_budget(f, flops_per_byte=FLOPS_PER_BYTE)
         ours = wrap(copy.deepcopy(base), policy)
         breaks = torch._dynamo.explain(ours)(*inputs).graph_break_count
+        torch._dynamo.reset()
         o_run = torch.compile(ours)
         ours_case = _Case("ours", ours, o_run, inputs, contextlib.nullcontext)
         ours_case.step()
@@ -175,9 +178,12 @@ def _measure_model(
         ours_case.step()
         ours_diff = _max_diff(ours, expected)
         cases = [torch_case, ours_case]
+        graphs = counters["stats"]["unique_graphs"]
         for r in range(rounds):
             for case in cases[r % 2 :] + cases[: r % 2]:
                 case.timed()
+        if counters["stats"]["unique_graphs"] != graphs:
+            raise RuntimeError("a timed step recompiled: the timings would include compile time")
         reports = policy.compile_solver().reports
         chosen = (
             ", ".join(
@@ -229,7 +235,11 @@ def main() -> None:
         default=str(Path(__file__).with_name("results_compile_budget.md")),
         help="markdown output ('-': print only)",
     )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: steadier on shared cores)"
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     builds = {"gpt": _gpt, "gpt2": _gpt2}
     lines = [
         "# memory_budget(f) under torch.compile vs activation_memory_budget=f (inductor, CPU)",

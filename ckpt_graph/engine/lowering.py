@@ -35,7 +35,8 @@
 #      policy that the compiler's partitioner plans, one with a ``compile_fraction`` (a
 #      ``memory_budget`` fraction, as the region's policy, not inside a combinator): it
 #      lowers as an abstaining entry of the stack (its ops stay PREFER_SAVE: to the
-#      partitioner, untagged), and while its region is traced it sets the partitioner's
+#      partitioner, untagged), and when dynamo traces the region (a call dynamo runs at
+#      trace time, before AOT autograd and its cache key) it sets the partitioner's
 #      budget and knapsack solver (``compile_solver()``, Note [memory_budget under
 #      torch.compile] in planner/compile_solver.py) in ``torch._functorch.config``, only
 #      until dynamo's compile of that frame ends (a dynamo end-of-compile callback restores
@@ -311,9 +312,9 @@ def _enclosing() -> LoweredPolicy | None:
 
 
 class _PlannedByPartitioner:
-    """The lowered entry of a policy the partitioner plans: it abstains for every op and,
-    while its region is traced, sets the partitioner's budget and solver for the compile of
-    this frame. See Note [Regions under torch.compile] (5)."""
+    """The lowered entry of a policy the partitioner plans: it abstains for every op (the
+    partitioner decides, with the budget and solver ``_plan_in_this_compile`` set).
+    See Note [Regions under torch.compile] (5)."""
 
     __slots__ = ("__qualname__", "policy")
 
@@ -322,9 +323,20 @@ class _PlannedByPartitioner:
         self.__qualname__ = repr(policy)
 
     def __call__(self, ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> None:
-        fraction = compile_fraction(self.policy)
-        if fraction is not None and fraction < 1.0:
-            _plan_with(self.policy, fraction)
+        return None
+
+
+def _plan_in_this_compile(policy: Any) -> None:
+    """Let the partitioner plan ``policy``'s budget in the compile of the frame being traced."""
+    fraction = compile_fraction(policy)
+    if fraction is not None and fraction < 1.0:
+        _plan_with(policy, fraction)
+
+
+# Dynamo runs a function so marked while it traces (``torch._dynamo.assume_constant_result``
+# sets this attribute), before AOT autograd starts: its cache key then sees the solver (which
+# asks not to be cached), and a partition planned for one budget is never reused for another.
+_plan_in_this_compile._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 class _Planning:
@@ -422,6 +434,8 @@ def checkpoint_lowered(
 
     Called while dynamo traces; see Note [Regions under torch.compile].
     """
+    if compile_fraction(policy) is not None:  # See Note [Regions under torch.compile] (5)
+        _plan_in_this_compile(policy)
     # torch's own function, also inside ``patch_torch_checkpoint`` (whose patched name would
     # lead back here); dynamo recognises it by identity.
     context_fn = functools.partial(lowered_contexts, policy, inner, root_cls, root_called)
