@@ -151,6 +151,9 @@ def _measure_model(
     plain_peak = measure(_step(plain, torch.compile(plain), inputs)).peak_bytes
     rows = []
     for f in FRACTIONS:
+        policy = policies.memory_budget(f, flops_per_byte=FLOPS_PER_BYTE)
+        torch._dynamo.reset()
+        breaks = torch._dynamo.explain(wrap(copy.deepcopy(base), policy))(*inputs).graph_break_count
         torch._dynamo.reset()
         theirs = copy.deepcopy(base)
 
@@ -165,11 +168,7 @@ def _measure_model(
             torch_flops = _backward_flops(theirs, t_run, inputs)
             torch_case.step()
             torch_diff = _max_diff(theirs, expected)
-        torch._dynamo.reset()
-        policy = policies.memory_budget(f, flops_per_byte=FLOPS_PER_BYTE)
         ours = wrap(copy.deepcopy(base), policy)
-        breaks = torch._dynamo.explain(ours)(*inputs).graph_break_count
-        torch._dynamo.reset()
         o_run = torch.compile(ours)
         ours_case = _Case("ours", ours, o_run, inputs, contextlib.nullcontext)
         ours_case.step()

@@ -165,6 +165,32 @@ def test_plan_recomputes_less_than_compiles_budget(fraction: float) -> None:
     assert measure(step).peak_bytes <= 1.01 * torch_peak
 
 
+def test_two_budgets_in_one_graph_warn_and_the_first_plans() -> None:
+    """The partitioner has one budget per graph: the first region's policy plans it."""
+    import ckpt_graph as cg
+
+    torch.manual_seed(0)
+    model = Net().double()
+    x = torch.randn(16, 32, dtype=torch.float64)
+    _step(model, model, x)()
+    expected = [p.grad for p in model.parameters()]
+    first = policies.memory_budget(0.1, flops_per_byte=FLOPS_PER_BYTE)
+    second = policies.memory_budget(0.75, flops_per_byte=FLOPS_PER_BYTE)
+
+    @torch.compile(backend=_aot_backend())
+    def f(h: torch.Tensor) -> torch.Tensor:
+        h = cg.checkpoint(model.blocks[0], h, policy=first)
+        h = cg.checkpoint(model.blocks[1], h, policy=second)
+        h = cg.checkpoint(model.blocks[2], h, policy=first)
+        return model.head(h)  # type: ignore[no-any-return]
+
+    with pytest.warns(UserWarning, match="one budget per graph, so memory_budget\\(0.1\\) plans"):
+        _step(model, f, x)()
+    torch.testing.assert_close([p.grad for p in model.parameters()], expected)
+    assert [r.fraction for r in first.compile_solver().reports] == [0.1]
+    assert second.compile_solver().reports == []
+
+
 def test_budget_in_bytes_falls_back_with_a_warning() -> None:
     """The partitioner takes a fraction: a budget in bytes runs eagerly, as before."""
     torch.manual_seed(0)
