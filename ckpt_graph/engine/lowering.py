@@ -36,10 +36,9 @@
 #      ``memory_budget`` fraction, as the region's policy, not inside a combinator): its
 #      region is traced as a plain call (inside an enclosing lowered region, that region's
 #      policies still decide its ops), or, with a torch SAC ``context_fn`` to honour, lowered
-#      with an abstaining entry for it (PREFER_SAVE: to the partitioner, untagged). Not as
-#      a checkpoint whose every answer abstains: its tags change the partition (measured at
-#      0.3 on a 4-block GPT: 8.91 MiB against compile's own budget's 13.94, but 2.6% more
-#      backward FLOPs, which the comparison does not allow). When dynamo traces the region
+#      with an abstaining entry for it (PREFER_SAVE: to the partitioner, untagged), so the
+#      partitioner plans the same joint graph as compile's own ``activation_memory_budget``
+#      would. When dynamo traces the region
 #      (a call dynamo runs at trace time, before AOT autograd and its cache key) it sets the
 #      partitioner's budget and knapsack solver (``compile_solver()``, Note [memory_budget under
 #      torch.compile] in planner/compile_solver.py) in ``torch._functorch.config``, only
