@@ -18,7 +18,11 @@
 # ``(memory, joint_graph, max_memory, node_info, candidates) -> (kept, recomputed)`` indices.
 # ``CompileSolver`` is one, planned by ckpt_graph's rules:
 #   1. Seed: torch's own answer at the same ``f`` (its DP knapsack on its runtime estimates),
-#      so the plan starts from what ``activation_memory_budget=f`` alone gives.
+#      so the plan starts from what ``activation_memory_budget=f`` alone gives. The solver is
+#      called with dispatch disabled, where torch's FLOP-counting estimator counts nothing
+#      (every candidate then weighs 1, and the seed was another plan: on a 4-block GPT at
+#      0.3, 36% below torch's peak but with 2.6% more backward FLOPs); the seed takes the
+#      same FLOPs from the formulas instead.
 #   2. Every candidate answer is evaluated on what it *does*: the partitioner's min-cut is
 #      run with it (the same call the partitioner makes next), giving the values the forward
 #      keeps; the values the backward must recompute follow (forward values the backward
@@ -29,8 +33,7 @@
 #      for ops with a formula, bytes moved x ``flops_per_byte`` for memory-bound ones).
 #   3. Local search from the seed, accepting only answers that keep no more bytes, peak no
 #      higher in the simulation, cost no more recompute and recompute no more FLOPs than the
-#      seed (without the FLOPs bound, a 4-block GPT at 0.3 got an answer measured at 2.6%
-#      more backward FLOPs than torch's, bench_compile_budget.py): first recompute
+#      seed: first recompute
 #      less (drop the costliest recomputed candidates while the bounds hold), then keep less
 #      at no more cost. The answer is thus never worse than ``activation_memory_budget=f`` in
 #      the model, and it is torch's where nothing better is found. Evaluations are capped
@@ -164,11 +167,17 @@ class CompileSolver(CustomKnapsackSolver):
         node_info: Any,
         all_recomputable_banned_nodes: list[fx.Node],
     ) -> tuple[list[int], list[int]]:
+        from torch._functorch import config
         from torch._functorch._activation_checkpointing.knapsack import dp_knapsack
         from torch._functorch.partitioners import estimate_runtime
 
         candidates = all_recomputable_banned_nodes
-        runtimes = [estimate_runtime(n) for n in candidates]
+        if config.activation_memory_budget_runtime_estimator == "flops":
+            # torch's estimate (FLOPs, at least 1), from the same formulas: its
+            # FlopCounterMode counts nothing here, the partitioner calls us with dispatch off
+            runtimes = [float(max(_node_flops(n), 1)) for n in candidates]
+        else:
+            runtimes = [estimate_runtime(n) for n in candidates]
         _, _, seed = dp_knapsack(memory, runtimes, max_memory)
         fpb = self.flops_per_byte if self.flops_per_byte is not None else machine_flops_per_byte()
         model = _GraphModel(joint_graph, node_info, candidates, fpb)
