@@ -23,8 +23,9 @@
 #    region to torch's checkpoint with a selective-checkpoint policy that asks the region's
 #    policy per op (See Note [Regions under torch.compile] in engine/lowering.py): the wrapped
 #    block compiles with the rest of the model, without a graph break.
-# 2. A policy that needs the region at run time (``memory_budget``, ``save_module_outputs``)
-#    cannot be lowered: ``RegionForward.__call__`` hands the region to a
+# 2. A policy that needs the region at run time (``memory_budget`` in bytes,
+#    ``save_module_outputs``; a ``memory_budget`` fraction is planned by the partitioner,
+#    Note [Regions under torch.compile] rule 5) cannot be lowered: ``RegionForward.__call__`` hands the region to a
 #    ``torch._dynamo.disable``-d function instead: one graph break per wrapped module, whose
 #    forward runs eagerly in its region, while the code around it is compiled (unless the
 #    blocks are called in a loop: dynamo then runs the whole frame eagerly). It warns once
