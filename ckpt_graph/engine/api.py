@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ckpt_graph._errors import CkptGraphError, CkptGraphTypeError
 from ckpt_graph.engine.cache_bound import parse_cache_limit
 from ckpt_graph.engine.decisions import normalize_policy
-from ckpt_graph.engine.lowering import checkpoint_lowered, needs_region
+from ckpt_graph.engine.lowering import checkpoint_lowered, runs_eagerly
 from ckpt_graph.engine.region import (
     Region,
     changed_globals,
@@ -217,7 +217,7 @@ def checkpoint(
             "compare every recomputed value with the forward's"
         )
     if torch.compiler.is_compiling():  # See Note [Regions under torch.compile]
-        if not needs_region(policy):
+        if not runs_eagerly(policy):
             root = type(fn) if isinstance(fn, torch.nn.Module) else None
             return checkpoint_lowered(  # type: ignore[no-any-return]
                 fn, args, kwargs, policy, inner=context_fn, root_cls=root, root_called=True

@@ -31,7 +31,21 @@
 #   5. Policies that need the region itself, those with ``on_region_enter`` (``memory_budget``
 #      records the step at run time, ``save_module_outputs`` tags values from module hooks;
 #      combinators that contain them), are not lowered: the caller falls back to running the
-#      region eagerly behind a graph break, with a warning (``needs_region``).
+#      region eagerly behind a graph break, with a warning (``runs_eagerly``). Except a
+#      policy that the compiler's partitioner plans, one with a ``compile_fraction`` (a
+#      ``memory_budget`` fraction, as the region's policy, not inside a combinator): its
+#      region is traced as a plain call (inside an enclosing lowered region, that region's
+#      policies still decide its ops), or, with a torch SAC ``context_fn`` to honour, lowered
+#      with an abstaining entry for it (PREFER_SAVE: to the partitioner, untagged), so the
+#      partitioner plans the same joint graph as compile's own ``activation_memory_budget``
+#      would. When dynamo traces the region
+#      (a call dynamo runs at trace time, before AOT autograd and its cache key) it sets the
+#      partitioner's budget and knapsack solver (``compile_solver()``, Note [memory_budget under
+#      torch.compile] in planner/compile_solver.py) in ``torch._functorch.config``, only
+#      until dynamo's compile of that frame ends (a dynamo end-of-compile callback restores
+#      the previous values and removes itself), so no other graph is planned with them. The
+#      partitioner has one budget per graph: a second fraction in the same graph warns once
+#      and the first one plans. A fraction of 1.0 keeps all (compile's default).
 #   6. A policy object must exist before the compiled function runs (an attribute, a global, an
 #      argument): dynamo passes it to the SAC context as a constant, and one built inside the
 #      traced code is not one (dynamo graph-breaks there, and the frame runs eagerly).
@@ -67,13 +81,39 @@ from ckpt_graph.engine.decisions import (
 from ckpt_graph.engine.flops import estimate_flops
 from ckpt_graph.engine.op_info import op_info
 
-__all__ = ["CompileContext", "LoweredPolicy", "checkpoint_lowered", "needs_region"]
+__all__ = [
+    "CompileContext",
+    "LoweredPolicy",
+    "checkpoint_lowered",
+    "compile_fraction",
+    "needs_region",
+    "runs_eagerly",
+]
 
 _SAVE_INSTEAD = {
     CheckpointPolicy.PREFER_CPU_OFFLOAD: CheckpointPolicy.PREFER_SAVE,
     CheckpointPolicy.MUST_CPU_OFFLOAD: CheckpointPolicy.MUST_SAVE,
 }
 _KEPT = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+
+def compile_fraction(policy: Any) -> float | None:
+    """The partitioner's budget of a policy it plans under compile, else ``None``.
+
+    See Note [Regions under torch.compile] (5). Pure, so that dynamo can inline it.
+    """
+    if isinstance(policy, str):
+        return None
+    fraction = getattr(policy, "compile_fraction", None)
+    return fraction if isinstance(fraction, float) else None
+
+
+def runs_eagerly(policy: Any) -> bool:
+    """Whether a region with ``policy`` falls back to running eagerly under compile.
+
+    See Note [Regions under torch.compile] (5).
+    """
+    return needs_region(policy) and compile_fraction(policy) is None
 
 
 def needs_region(policy: Any) -> bool:
@@ -274,6 +314,85 @@ def _enclosing() -> LoweredPolicy | None:
     return None
 
 
+class _PlannedByPartitioner:
+    """The lowered entry of a policy the partitioner plans: it abstains for every op (the
+    partitioner decides, with the budget and solver ``_plan_in_this_compile`` set).
+    See Note [Regions under torch.compile] (5)."""
+
+    __slots__ = ("__qualname__", "policy")
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self.__qualname__ = repr(policy)
+
+    def __call__(self, ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def _plan_in_this_compile(policy: Any) -> None:
+    """Let the partitioner plan ``policy``'s budget in the compile of the frame being traced."""
+    fraction = compile_fraction(policy)
+    if fraction is not None and fraction < 1.0:
+        _plan_with(policy, fraction)
+
+
+# Dynamo runs a function so marked while it traces (``torch._dynamo.assume_constant_result``
+# sets this attribute), before AOT autograd starts: its cache key then sees the solver (which
+# asks not to be cached), and a partition planned for one budget is never reused for another.
+_plan_in_this_compile._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+class _Planning:
+    """The partitioner's config while a frame whose graph holds a planned region compiles."""
+
+    __slots__ = ("fraction", "policy", "previous")
+
+    def __init__(self, policy: Any, fraction: float, previous: tuple[Any, Any]) -> None:
+        self.policy = policy
+        self.fraction = fraction
+        self.previous = previous
+
+
+_PLANNING: list[_Planning] = []  # at most one: the frame being compiled
+
+
+def _plan_with(policy: Any, fraction: float) -> None:
+    """Set the partitioner's budget and solver until dynamo's compile of this frame ends."""
+    from torch._functorch import config
+
+    if _PLANNING:
+        current = _PLANNING[0]
+        if current.policy is not policy and current.fraction != fraction:
+            _warn_once(
+                "budgets",
+                repr(policy),
+                f"ckpt_graph: {policy!r} and {current.policy!r} plan regions of one compiled "
+                f"graph; torch.compile's partitioner has one budget per graph, so "
+                f"{current.policy!r} plans it (separate them with a graph break to give "
+                "each its own)",
+            )
+        return
+    from torch._dynamo.callback import callback_handler as handler
+
+    solver = policy.compile_solver()
+    planning = _Planning(
+        policy,
+        fraction,
+        (config.activation_memory_budget, config.activation_memory_budget_solver),
+    )
+    config.activation_memory_budget = fraction
+    config.activation_memory_budget_solver = solver
+
+    def restore(_args: Any) -> None:
+        config.activation_memory_budget, config.activation_memory_budget_solver = planning.previous
+        _PLANNING.clear()
+        # a new list: the handler may be iterating over the current one
+        handler.end_callbacks = [c for c in handler.end_callbacks if c is not restore]
+
+    handler.register_end_callback(restore)
+    _PLANNING.append(planning)
+
+
 def lowered_contexts(
     policy: Any,
     inner: Callable[[], Any] | None = None,
@@ -288,6 +407,8 @@ def lowered_contexts(
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     stack = [normalize_policy(policy)]
+    if compile_fraction(policy) is not None:
+        stack = [_PlannedByPartitioner(policy)]
     outer = _enclosing()
     if outer is not None:  # See Note [Regions under torch.compile] (7)
         stack = [*outer.stack, *stack]
@@ -316,6 +437,10 @@ def checkpoint_lowered(
 
     Called while dynamo traces; see Note [Regions under torch.compile].
     """
+    if compile_fraction(policy) is not None:  # See Note [Regions under torch.compile] (5)
+        _plan_in_this_compile(policy)
+        if inner is None:  # nothing to tag: the partitioner sees the ops as compile's own
+            return fn(*args, **kwargs)
     # torch's own function, also inside ``patch_torch_checkpoint`` (whose patched name would
     # lead back here); dynamo recognises it by identity.
     context_fn = functools.partial(lowered_contexts, policy, inner, root_cls, root_called)

@@ -58,7 +58,7 @@ from ckpt_graph._errors import (
     CkptGraphValueError,
 )
 from ckpt_graph.engine.api import checkpoint
-from ckpt_graph.engine.lowering import needs_region
+from ckpt_graph.engine.lowering import runs_eagerly
 from ckpt_graph.engine.region import current_region
 from ckpt_graph.integrations.activity import announce, describe_modules, describe_policy
 
@@ -95,7 +95,7 @@ class HFCheckpointFunction:
         self.options = options
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() and needs_region(self.policy):
+        if torch.compiler.is_compiling() and runs_eagerly(self.policy):
             return _checkpoint_eagerly(self.policy, function, args, {**self.options, **kwargs})
         # under compile, ``checkpoint`` lowers the region: See Note [HF checkpoint function]
         if not torch.compiler.is_compiling() and current_region() is None:

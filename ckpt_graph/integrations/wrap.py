@@ -23,8 +23,9 @@
 #    region to torch's checkpoint with a selective-checkpoint policy that asks the region's
 #    policy per op (See Note [Regions under torch.compile] in engine/lowering.py): the wrapped
 #    block compiles with the rest of the model, without a graph break.
-# 2. A policy that needs the region at run time (``memory_budget``, ``save_module_outputs``)
-#    cannot be lowered: ``RegionForward.__call__`` hands the region to a
+# 2. A policy that needs the region at run time (``memory_budget`` in bytes,
+#    ``save_module_outputs``; a ``memory_budget`` fraction is planned by the partitioner,
+#    Note [Regions under torch.compile] rule 5) cannot be lowered: ``RegionForward.__call__`` hands the region to a
 #    ``torch._dynamo.disable``-d function instead: one graph break per wrapped module, whose
 #    forward runs eagerly in its region, while the code around it is compiled (unless the
 #    blocks are called in a loop: dynamo then runs the whole frame eagerly). It warns once
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 
 from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
-from ckpt_graph.engine.lowering import checkpoint_lowered, needs_region
+from ckpt_graph.engine.lowering import checkpoint_lowered, runs_eagerly
 from ckpt_graph.integrations.activity import (
     announce,
     describe_modules,
@@ -92,7 +93,7 @@ class RegionForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # constant under dynamo; False when eager
             # See Note [Wrapped modules under torch.compile]
-            if needs_region(self.policy):
+            if runs_eagerly(self.policy):
                 return _RUN_EAGERLY[0](self, args, kwargs)
             module = self.module
             if self.previous is None:

@@ -23,8 +23,9 @@ adapt a recorded region to them. See Note [Planner layers].
 # 4. solver (``seeds``, ``hand_seeds``, ``milp``, ``local_search``, ``solve``): builds on
 #    graph, simulator and records; depends on no torch, like the simulator.
 # 5. adapters (``from_region``: a recorded region as the simulator's graph; ``workspaces``;
-#    ``cost_model``; ``region_graph``): build on 1-4; the only planner modules that import
-#    the engine.
+#    ``cost_model``; ``region_graph``; ``blocks``: block boundaries of a recorded region;
+#    ``compile_solver``: the compiler's joint graph, planned in its partitioner): build on
+#    1-4; the only planner modules that import the engine.
 # 6. plans (``forward_memory``, ``plans``, ``menus``, ``step_budget``, ``across_sizes``):
 #    build on 1-4, not on the adapters nor the engine.
 # 7. policy (``memory_budget``, ``budget_heuristic``, ``budget_check``, ``budget_report``):

@@ -113,6 +113,7 @@ from ckpt_graph.planner.across_sizes import (
 from ckpt_graph.planner.budget_check import BudgetCheck
 from ckpt_graph.planner.budget_heuristic import count_saved, heuristic, views_of_kept
 from ckpt_graph.planner.budget_report import BudgetReport
+from ckpt_graph.planner.compile_solver import CompileSolver, solver_for
 from ckpt_graph.planner.cost_model import machine_flops_per_byte, parse_budget, recorded_costs
 from ckpt_graph.planner.local_search import Refinement
 from ckpt_graph.planner.menus import warm_kept
@@ -191,6 +192,18 @@ class MemoryBudget:
 
     def __repr__(self) -> str:
         return f"memory_budget({self.budget!r})"
+
+    @property
+    def compile_fraction(self) -> float | None:
+        """The budget as the partitioner's fraction under torch.compile (``None``: bytes).
+
+        See Note [memory_budget under torch.compile] in compile_solver.py.
+        """
+        return self.budget if isinstance(self.budget, float) else None
+
+    def compile_solver(self) -> CompileSolver:
+        """The partitioner's knapsack solver of this policy object under torch.compile."""
+        return solver_for(self)
 
     def on_region_enter(self, region: Region) -> None:
         """Start deciding for the ops of ``region`` recorded from now on."""

@@ -11,7 +11,13 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph import policies
-from ckpt_graph.engine.lowering import LoweredPolicy, module_path_from_meta, needs_region
+from ckpt_graph.engine.lowering import (
+    LoweredPolicy,
+    compile_fraction,
+    module_path_from_meta,
+    needs_region,
+    runs_eagerly,
+)
 
 aten = torch.ops.aten
 
@@ -40,6 +46,29 @@ class Attn(torch.nn.Module):
 )
 def test_needs_region(policy: Any, needs: bool) -> None:
     assert needs_region(policy) is needs
+
+
+@pytest.mark.parametrize(
+    ("policy", "fraction", "eager"),
+    [
+        ("recompute_all", None, False),
+        (policies.save_matmuls(), None, False),
+        (policies.memory_budget(0.5), 0.5, False),
+        (policies.memory_budget("40%"), 0.4, False),
+        (policies.memory_budget(1.0), 1.0, False),
+        (policies.memory_budget("64MiB"), None, True),
+        (policies.save_module_outputs(torch.nn.Linear), None, True),
+        (policies.any_save(policies.save_matmuls(), policies.memory_budget(0.5)), None, True),
+    ],
+)
+def test_memory_budget_fraction_is_planned_by_the_partitioner(
+    policy: Any, fraction: float | None, eager: bool
+) -> None:
+    """A memory_budget fraction lowers (the partitioner plans it); bytes, module-output tags
+    and combinators holding a memory_budget still run eagerly. See Note [Regions under
+    torch.compile] (5)."""
+    assert compile_fraction(policy) == fraction
+    assert runs_eagerly(policy) is eager
 
 
 STACK = {

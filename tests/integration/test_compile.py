@@ -283,11 +283,12 @@ def test_policy_reading_values_abstains_under_compile_with_warning() -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_policy_needing_the_region_runs_eagerly(backend: str) -> None:
-    """memory_budget records the step at run time: one graph break per block, exact grads."""
+    """A budget in bytes records the step at run time (the partitioner plans only a fraction,
+    tests/integration/test_compile_budget.py): one graph break per block, exact grads."""
     model = _net(loop=False)
     expected = _grads(model, model, X)
     counter = CompileCounterWithBackend(backend)
-    compiled = torch.compile(wrap(model, policies.memory_budget(0.5)), backend=counter)
+    compiled = torch.compile(wrap(model, policies.memory_budget("64MiB")), backend=counter)
     with pytest.warns(
         UserWarning, match=r"Block\.forward \(wrapped by ckpt_graph\.wrap\) runs eagerly"
     ):

@@ -143,7 +143,8 @@ def test_wrap_and_unwrap_hf_model_keeps_names() -> None:
 
 
 @pytest.mark.parametrize(
-    ("policy", "lowered"), [("recompute_all", True), (memory_budget(0.5), False)]
+    ("policy", "lowered"),
+    [("recompute_all", True), (memory_budget(0.5), True), (memory_budget("64MiB"), False)],
 )
 def test_checkpoint_function_under_torch_compile(policy: object, lowered: bool) -> None:
     """Lowered to torch's checkpoint (one graph), or eager with a warning for a policy that
