@@ -20,7 +20,7 @@ value, so it works during the forward, after it, and after the region released i
 #      recomputed inputs of the op nodes that produce them. The chain stops at kept values
 #      (region inputs included). Their op nodes are the ones a backward that unpacks every
 #      saved tensor runs once each; their FLOPs are the recompute FLOPs.
-# The engine's own figure ``region._pass.peak_cached_bytes`` counts every cached handle
+# The engine's own figure ``region.pass_state.peak_cached_bytes`` counts every cached handle
 # (views and in-place versions included), so it can exceed these storage bytes.
 """
 

@@ -136,7 +136,7 @@ def plan_bound(region: Region, last: dict[Handle, int]) -> None:
     explicit ``cache_limit``, or the plan an automatic bound decides on (``decide_bound``).
     See Note [Bounded recompute cache], rule 1.
     """
-    state = region._pass
+    state = region.pass_state
     state.roots = {}  # kept values are settled for the pass: see ``root_of``
     storages: dict[Handle, list[int]] = {}  # per storage (its root value): producer, end, saved
     for node in region.nodes:
@@ -182,7 +182,7 @@ def decide_bound(region: Region, h: Handle) -> bool | None:
     """Decide an automatic bound at the pass's first realize that caches anything: whether
     the pass is bounded, or ``None`` when realizing ``h`` caches nothing for later (the
     decision waits). See Note [Bounded recompute cache], rule 1."""
-    state = region._pass
+    state = region.pass_state
     profile = state.profile
     assert profile is not None
     _, _, held = collect_realize(region, h)
@@ -233,7 +233,7 @@ def root_of(region: Region, h: Handle) -> Handle:
     step by step) form a chain as long as the writes before them, and walking it for each
     value made a pass quadratic in the number of writes.
     """
-    roots = region._pass.roots
+    roots = region.pass_state.roots
     walked: list[Handle] = []
     while h.is_view and h.reason is None:
         root = roots.get(h)
@@ -342,7 +342,7 @@ def plan_realize(region: Region, h: Handle) -> list[int]:
     """The op nodes a bounded realize of ``h`` runs, in forward order; sets up the pass
     state (``need``, the open segment, whether it may close). See Note [Bounded recompute
     cache], rule 2."""
-    state = region._pass
+    state = region.pass_state
     order, state.need, held = collect_realize(region, h)
     # When the values it leaves cached fit, the realize closes nothing: it is running a
     # closed segment again.

@@ -116,7 +116,7 @@ class PassState:
 
 def begin_pass(region: Region, task: int) -> None:
     """Reset use counts for a new backward pass. See Note [Use counts and freeing]."""
-    state = region._pass
+    state = region.pass_state
     if state.task != -2:
         end_pass(region)
     state.task = task
@@ -334,7 +334,7 @@ def decide(region: Region, h: Handle) -> None:
 
 def end_pass(region: Region) -> None:
     """Free everything the pass left cached and forget its use counts."""
-    state = region._pass
+    state = region.pass_state
     state.task = -2
     state.cached_bytes = 0
     bounded = state.segment_limit > 0

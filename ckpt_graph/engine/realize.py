@@ -84,7 +84,7 @@ def unpack_value(region: Region, h: Handle, packed: Any = None) -> torch.Tensor:
         return value
     _check_version(region, h)
     task = _current_task()
-    state = region._pass
+    state = region.pass_state
     one_shot = task == -1
     if one_shot or task != state.task:
         begin_pass(region, task)
@@ -141,7 +141,7 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
     if h.cache is not None:
         return h.cache
     nodes = region.nodes
-    state = region._pass
+    state = region.pass_state
     number = state.number
     if state.undecided:  # See Note [Bounded recompute cache], rule 1.
         decide(region, h)
@@ -201,7 +201,7 @@ def _realized(h: Handle) -> torch.Tensor:
 def _realize_bounded(region: Region, h: Handle) -> None:
     """Realize ``h`` with a bounded cache. See Note [Bounded recompute cache], rule 2."""
     nodes = region.nodes
-    state = region._pass
+    state = region.pass_state
     order = plan_realize(region, h)
     try:
         for k, index in enumerate(order):
@@ -267,7 +267,7 @@ def run_node(region: Region, node: OpNode) -> None:
     except Exception as e:  # See Note [Errors raised by a recomputed op].
         note_recompute_failure(e, node)
         raise
-    state = region._pass
+    state = region.pass_state
     node.pass_id = state.number
     node.realized += 1
     state.recomputed_ops += 1

@@ -64,6 +64,9 @@ class Region:
         opened_by: which integration opened the region (``"ckpt_graph.wrap: layers.3
             (Block)"``), or ``""`` for a plain ``save_recompute_policy`` block (see Note
             [Integrations say when they are active]).
+        pass_state: the state of the current (or last) backward pass, owned by
+            ``engine/passes.py`` (``PassState``: pass number, ops recomputed, cached bytes,
+            the bounded cache's plan); read it, never write it.
 
     Invariants:
         Nothing outside refers to a region except the packed saved tensors autograd holds
@@ -109,7 +112,7 @@ class Region:
         self._modules = _modules.ModuleStack()
         self._exits = ExitStack()  # while open: what closing undoes
         self._hook_fns: tuple[Any, Any] | None = None  # while open: refers to the region
-        self._pass = PassState()
+        self.pass_state = PassState()
         self._kept_sums: dict[Handle, tuple[float, float, float]] = {}  # when debug
         self._globals: tuple[Any, ...] | None = None  # See Note [Replay globals].
         self.tagged: set[Handle] = set()  # values tag_with_policy decided for

@@ -176,7 +176,7 @@ def test_pointwise_of_kept_values_runs_per_use_and_frees_between() -> None:
     assert region is not None
     gelu = next(n for n in region.nodes if n.info.name == "aten.gelu.default")
     assert gelu.realized >= 2
-    assert region._pass.peak_cached_bytes <= gelu.outputs[0].nbytes  # type: ignore[union-attr]
+    assert region.pass_state.peak_cached_bytes <= gelu.outputs[0].nbytes  # type: ignore[union-attr]
 
 
 def test_small_values_stay_cached() -> None:

@@ -67,7 +67,7 @@ def test_simulated_pass_matches_the_real_one(name: str, policy: str, cache_limit
     sim = simulate(run.graph, kept_ops_of(region))
     assert len(sim.runs) == len(region.nodes)
     assert list(sim.runs) == _runs(region)  # the same ops ran, as often
-    assert sim.recomputed_ops == region._pass.recomputed_ops
+    assert sim.recomputed_ops == region.pass_state.recomputed_ops
     # within 0.6% on every case when written (mlp: 128 bytes above the measured peak)
     assert abs(predicted_peak(run) - run.measured) <= 0.01 * run.measured, (
         predicted_peak(run),
