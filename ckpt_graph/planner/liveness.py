@@ -5,9 +5,9 @@ set of kept op outputs: the order in which autograd unpacks saved tensors, then 
 own pass rules (``engine/pass_core.py``, Note [One pass core]: use counts, transient values,
 the bounded cache, realize) against a memory accountant instead of the engine's executor,
 kept values freed as autograd frees saved tensors (Note [Releasing kept values]), the
-gradient buffers alive at each step and the temporaries of op formulas. It works on a small framework-free graph
-(:class:`SimGraph`) so planners can be tested on synthetic graphs; :func:`from_region`
-builds one from a recorded region.
+gradient buffers alive at each step and the temporaries of op formulas. It works on a
+small framework-free graph (:class:`SimGraph`) so planners can be tested on synthetic
+graphs; :func:`from_region` builds one from a recorded region.
 
 # Note [Backward liveness model]
 # 1. Unpack order. Saved tensors are grouped into backward *steps*: the op node whose
@@ -23,11 +23,12 @@ builds one from a recorded region.
 #    stay alive (*held*) until the step ends.
 # 2. Realize. Use counts start at the number of saved tensors per recomputed value; one sweep
 #    from the last op back marks the ops that will run and adds one use per recomputed input
-#    (``pass_core.count_uses``, the function ``passes.begin_pass`` calls). A run op allocates all its outputs, caches the ones
-#    with a pending use, drops the others at once, then releases one use of each recomputed
-#    input; a cached value is freed when its use count reaches zero. Every op runs at most
-#    once per pass (except producers of transient values, rule 7), and the recompute cost of
-#    a plan is the summed cost of the runs.
+#    (``pass_graph.count_uses``, the function ``passes.begin_pass`` calls). A run op
+#    allocates all its outputs, caches the ones with a pending use, drops the others at
+#    once, then takes one use of each recomputed input; a cached value is freed when its
+#    use count reaches zero. Every op runs at most once per pass (except producers of
+#    transient values, rule 7), and the recompute cost of a plan is the summed cost of the
+#    runs.
 # 3. Memory is counted per *storage*: a view shares the storage of its base, so keeping or
 #    caching a view keeps the whole base (in-place results: rule 6). Storages of region
 #    inputs (parameters, the batch) are never counted: they live anyway.
@@ -109,7 +110,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ckpt_graph.engine.pass_core import Pass, count_uses, last_readers
+from ckpt_graph.engine.pass_core import Pass
+from ckpt_graph.engine.pass_graph import count_uses, last_readers
 from ckpt_graph.planner.costs import from_region, kept_ops_of
 from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimResult, SimValue
 from ckpt_graph.planner.workspaces import Workspace, measure_workspaces
@@ -120,6 +122,7 @@ __all__ = [
     "SimResult",
     "SimValue",
     "Workspace",
+    "count_uses",
     "from_region",
     "kept_ops_of",
     "measure_workspaces",
@@ -206,6 +209,9 @@ class _Accountant:
 
     def discard(self, o: int) -> None:
         self.free_storage(o)
+
+    def done(self, j: int) -> None:
+        pass
 
     def free(self, v: int) -> None:
         self.free_storage(v)

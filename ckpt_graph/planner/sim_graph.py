@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from ckpt_graph.engine.pass_core import PassGraph
+from ckpt_graph.engine.pass_graph import PassGraph
 
 __all__ = ["SimGraph", "SimOp", "SimResult", "SimValue"]
 
