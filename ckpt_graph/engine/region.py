@@ -31,7 +31,7 @@ from ckpt_graph.engine.offload import Offloader
 from ckpt_graph.engine.outputs import KEPT_ON_HOST as _KEPT_ON_HOST
 from ckpt_graph.engine.passes import PassState
 from ckpt_graph.engine.record import Recorder
-from ckpt_graph.engine.release import count_live_uses, lose_use
+from ckpt_graph.engine.release import count_live_uses, free_use
 from ckpt_graph.engine.replay import REPLAY_GLOBALS, replay_globals
 from ckpt_graph.engine.storage_history import StorageHistory, rebase
 
@@ -349,7 +349,7 @@ class Region:
             if self._live_packs == 0:
                 self._release()
             else:
-                lose_use(self, h)
+                free_use(self, h)
 
     # ----------------------------------------------------------------- introspection
     # See ckpt_graph/analysis/export.py.

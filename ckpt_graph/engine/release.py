@@ -20,44 +20,39 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ckpt_graph.engine.pass_graph import count_uses
+from ckpt_graph.engine.passes import pass_graph
+
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import Handle, OpNode
     from ckpt_graph.engine.region import Region
 
-__all__ = ["count_live_uses", "lose_use"]
+__all__ = ["count_live_uses", "free_use"]
 
 
 def count_live_uses(region: Region) -> None:
-    """Set ``Handle.live_uses`` at region exit; release unneeded kept values.
+    """Set ``Handle.live_uses`` at region exit; free unneeded kept values.
 
-    See Note [Releasing kept values].
+    The sweep is the pass's (``pass_graph.count_uses``, Note [One pass core]), counting
+    kept inputs too. See Note [Releasing kept values].
     """
-    for node in reversed(region.nodes):
-        needed = False
-        for o in node.outputs:
-            if o is not None:
-                o.live_uses += o.saved_refs
-                if o.reason is None and o.live_uses > 0:
-                    needed = True
-        node.may_run = needed
-        if needed:
-            for i in node.inputs:
-                i.live_uses += 1
-        elif node.rng is not None:
-            _drop_rng_if_dead(node)
-    for h in region.inputs:
-        h.live_uses += h.saved_refs
-    for h in region.inputs:
-        if h.live_uses == 0:
+    g, handles, _ = pass_graph(region)
+    kept = [h.reason is not None for h in handles]
+    uses = [h.saved_refs for h in handles]
+    runs = count_uses(g, kept, uses, all_inputs=True)
+    for h, n in zip(handles, uses, strict=True):
+        h.live_uses += n
+    for node, may_run in zip(region.nodes, runs, strict=True):
+        node.may_run = may_run
+        if not may_run and node.rng is not None:
+            _free_rng_if_dead(node)
+    for h in handles:
+        if h.reason is not None and h.live_uses == 0:
             h.value = None
-    for node in region.nodes:
-        for o in node.outputs:
-            if o is not None and o.reason is not None and o.live_uses == 0:
-                o.value = None
 
 
-def lose_use(region: Region, h: Handle) -> None:
-    """A saved tensor of ``h`` was released. See Note [Releasing kept values]."""
+def free_use(region: Region, h: Handle) -> None:
+    """A saved tensor of ``h`` was freed: take one live use. See Note [Releasing kept values]."""
     nodes = region.nodes
     stack = [h]
     while stack:
@@ -68,7 +63,7 @@ def lose_use(region: Region, h: Handle) -> None:
         if h.reason is not None:
             h.value = None
             if h.node_index >= 0 and nodes[h.node_index].rng is not None:
-                _drop_rng_if_dead(nodes[h.node_index])
+                _free_rng_if_dead(nodes[h.node_index])
             continue
         if h.node_index < 0:
             continue
@@ -79,11 +74,11 @@ def lose_use(region: Region, h: Handle) -> None:
             continue
         node.may_run = False
         if node.rng is not None:
-            _drop_rng_if_dead(node)
+            _free_rng_if_dead(node)
         stack.extend(node.inputs)
 
 
-def _drop_rng_if_dead(node: OpNode) -> None:
+def _free_rng_if_dead(node: OpNode) -> None:
     """Drop the generator state of a node that can no longer run.
 
     A node with a kept output still in use stays able to run: Note [Kept values changed

@@ -7,7 +7,8 @@
 # at the first read (see Note [Use counts and freeing]), so the value may be freed already
 # and its producer has run in this pass. A packed object therefore remembers the pass of
 # its last read (``Packed.read``); a further read in that pass takes no use and returns the
-# cached value, or recomputes it with ``realize_again``: from kept and cached values, into
+# cached value, or recomputes it with ``realize_again``: from kept and cached values (the
+# pass's walk back, ``pass_graph.collect``, run in forward order), into
 # a local table, without touching use counts, caches or the pass state, writes replayed on
 # copies. The result belongs to the caller only, so nothing stays alive once it drops it;
 # a second read costs a recomputation instead of holding every value read until the end
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckpt_graph.engine.graph import Handle, arg_at
+from ckpt_graph.engine.pass_graph import collect
 from ckpt_graph.engine.replay import (
     _call,
     _enter_replay,
@@ -43,25 +45,18 @@ def realize_again(region: Region, h: Handle) -> torch.Tensor:
     See Note [Reading a saved tensor again].
     """
     nodes = region.nodes
+    state = region.pass_state
+    core = state.core
+    assert core is not None
+    # The op nodes from ``h`` back to kept and cached values, once each, in forward order.
+    order, _ = collect(core.g, (state.index[h],), core.kept, core.cached)
     # id(handle) -> value of this call. No closures over it: a nested function that
     # calls itself is a reference cycle, which would keep the values until a gc pass.
     local: dict[int, torch.Tensor] = {}
     replay = _enter_replay(region)
     try:
-        stack: list[tuple[int, bool]] = [(h.node_index, False)]
-        while stack:
-            index, expanded = stack.pop()
+        for index in order:
             node = nodes[index]
-            if not expanded:
-                if all(o is None or id(o) in local for o in node.outputs):
-                    continue
-                stack.append((index, True))
-                for i in node.inputs:
-                    if i.reason is None and i.cache is None and id(i) not in local:
-                        stack.append((i.node_index, False))
-                continue
-            if any(o is not None and id(o) in local for o in node.outputs):
-                continue  # ran already (pushed twice before it ran)
             args = [_local_value(region, local, a) for a in node.args]
             kwargs = {k: _local_value(region, local, v) for k, v in node.kwargs.items()}
             for w in node.info.writes:  # never write a value someone else holds
