@@ -129,9 +129,6 @@ class Handle:
             is overwritten in place without a copy: Note [Mutation and views], rule 4).
         saved_refs: saved tensors alive now (``hooks.Packed`` objects) that refer to the
             value; each is released when autograd frees it.
-        live_uses: from region exit on, across backward passes: saved tensors and op nodes
-            that may still run that need the value; a kept value is released when it
-            reaches zero (see Note [Releasing kept values]).
         cache: per backward pass, the recomputed value while it has a use left (see Note
             [Use counts and freeing]).
         live: per backward pass, ``cache`` is the forward tensor the program still holds,
@@ -151,7 +148,6 @@ class Handle:
         "input_index",
         "is_view",
         "live",
-        "live_uses",
         "nbytes",
         "node_index",
         "offload_device",
@@ -199,7 +195,6 @@ class Handle:
         self.superseded = False
         self.forward_uses = 0
         self.saved_refs = 0
-        self.live_uses = 0
         self.cache: torch.Tensor | None = None
         self.live = False
 
@@ -248,10 +243,6 @@ class OpNode:
         checksums: per output, a checksum of the forward value (only with ``debug=True``).
         realized: how many times the op ran during backward passes.
         pass_id: the number of the last backward pass it ran in (``PassState.number``).
-        may_run: from region exit on, some recomputed output still has live uses, so the
-            op node may have to run again; once ``False`` it never runs again and its
-            generator state is dropped when its kept outputs have no live use either (see
-            Note [Releasing kept values]).
     """
 
     # Class-level defaults (OpNode has no ``__slots__``, unlike Handle, whose every field
@@ -268,7 +259,6 @@ class OpNode:
     checksums: tuple[tuple[float, float, float] | None, ...] | None = None
     realized = 0
     pass_id = -1
-    may_run = False
 
     def __init__(
         self,

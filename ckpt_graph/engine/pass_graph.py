@@ -15,6 +15,8 @@ __all__ = [
     "PassGraph",
     "collect",
     "count_uses",
+    "free_use",
+    "is_dead",
     "last_readers",
     "mark_transient",
     "roots",
@@ -223,3 +225,54 @@ def mark_transient(
                     if not kept[i]:
                         uses[i] += extra
     return transient
+
+
+def free_use(
+    g: PassGraph,
+    kept: Sequence[bool],
+    live_uses: MutableSequence[int],
+    may_run: MutableSequence[bool],
+    v: int,
+    free_kept: Callable[[int], None],
+    dead: Callable[[int], None],
+) -> None:
+    """A saved tensor of ``v`` was freed: take one live use, and follow what that frees.
+    See Note [Releasing kept values].
+
+    Args:
+        g: the graph.
+        kept: per value, whether it is kept (read as the uses fall).
+        live_uses: per value, its live uses (``count_uses`` with ``all_inputs``).
+        may_run: per op node, whether it may still run (updated).
+        v: the value of the freed saved tensor.
+        free_kept: frees a kept value with no live use left.
+        dead: called with an op node that may have become dead (``is_dead``): it ran out
+            of uses or one of its kept outputs was freed.
+    """
+    inputs, outputs, producer = g.inputs, g.outputs, g.producer
+    stack = [v]
+    while stack:
+        v = stack.pop()
+        live_uses[v] -= 1
+        if live_uses[v] > 0:
+            continue
+        p = producer[v]
+        if kept[v]:
+            free_kept(v)
+            if p >= 0:
+                dead(p)
+            continue
+        if p < 0 or not may_run[p]:
+            continue
+        if any(not kept[o] and live_uses[o] > 0 for o in outputs[p]):
+            continue
+        may_run[p] = False
+        dead(p)
+        stack.extend(inputs[p])
+
+
+def is_dead(g: PassGraph, live_uses: Sequence[int], may_run: Sequence[bool], j: int) -> bool:
+    """Whether op node ``j`` never runs again: no recomputed output needs it and no kept
+    output has a live use (Note [Kept values changed after the region] may recompute a
+    kept output still in use)."""
+    return not may_run[j] and not any(live_uses[o] > 0 for o in g.outputs[j])

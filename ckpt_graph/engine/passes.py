@@ -90,6 +90,12 @@ class PassState:
         graph: the region's graph numbered for the pass rules (``pass_graph``).
         handles: the region's values by number.
         index: per handle, its number.
+        live_uses: from region exit on, across passes, per value: the saved tensors and op
+            nodes that may still run that need it; a kept value is freed at zero (see Note
+            [Releasing kept values]).
+        may_run: from region exit on, per op node: some recomputed output still has live
+            uses, so it may have to run again; once false it never runs again and its
+            generator state is freed when its kept outputs have no live use either.
     """
 
     __slots__ = (
@@ -99,6 +105,8 @@ class PassState:
         "graph",
         "handles",
         "index",
+        "live_uses",
+        "may_run",
         "number",
         "numbered",
         "peak_cached_bytes",
@@ -116,6 +124,8 @@ class PassState:
         self.graph: PassGraph | None = None
         self.handles: list[Handle] = []
         self.index: dict[Handle, int] = {}
+        self.live_uses: list[int] = []  # See Note [Releasing kept values].
+        self.may_run: list[bool] = []
         self.numbered = (-1, -1)  # op nodes and region inputs when ``graph`` was built
         self._closed = 0  # segments the last bounded pass closed
 

@@ -111,7 +111,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ckpt_graph.engine.pass_core import Pass
-from ckpt_graph.engine.pass_graph import count_uses, last_readers
+from ckpt_graph.engine.pass_graph import count_uses, free_use, is_dead, last_readers
 from ckpt_graph.planner.costs import from_region, kept_ops_of
 from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimResult, SimValue
 from ckpt_graph.planner.workspaces import Workspace, measure_workspaces
@@ -300,37 +300,23 @@ class _Simulation:
         )
 
     def _free_rng(self, j: int) -> None:
-        """Rule 9, as ``release._free_rng_if_dead``."""
+        """Rule 9, as ``release.free_use`` frees a dead op node's generator state."""
         op = self.g.ops[j]
-        if (
-            self.holds[j]
-            and not self.may_run[j]
-            and not any(self.live_uses[o] > 0 for o in op.outputs)
-        ):
+        if self.holds[j] and is_dead(self.g.pass_graph, self.live_uses, self.may_run, j):
             self.holds[j] = False
             self.rng_refs[op.rng] -= 1
             if self.rng_refs[op.rng] == 0:
                 self.acc.rng_level -= self.g.rng_bytes[op.rng]
 
     def _free_use(self, v: int) -> None:
-        """A saved tensor of ``v`` was freed (rule 5, as ``release.free_use``)."""
-        values, ops, kept, live_uses = self.g.values, self.g.ops, self.kept, self.live_uses
-        stack = [v]
-        while stack:
-            v = stack.pop()
-            live_uses[v] -= 1
-            if live_uses[v] != 0:
-                continue
-            p = values[v].producer
-            if kept[v]:
-                self.acc.free_storage(v)
-                if p >= 0:
-                    self._free_rng(p)
-                continue
-            if p < 0 or not self.may_run[p]:
-                continue
-            if any(not kept[o] and live_uses[o] > 0 for o in ops[p].outputs):
-                continue
-            self.may_run[p] = False
-            self._free_rng(p)
-            stack.extend(ops[p].inputs)
+        """A saved tensor of ``v`` was freed (rule 5, ``pass_graph.free_use`` as the engine's
+        ``release.free_use``)."""
+        free_use(
+            self.g.pass_graph,
+            self.kept,
+            self.live_uses,
+            self.may_run,
+            v,
+            self.acc.free_storage,
+            self._free_rng,
+        )
