@@ -2,10 +2,10 @@
 
 The pieces: ``pass_core`` (the realize/run/use loop, shared with the liveness simulator;
 this module's :class:`Runner` is the engine's executor for it), ``passes`` (use counts per
-backward pass, the engine's hooks, end-of-pass cleanup), ``replay`` (running a recorded op
-again: replay context, RNG replay), ``release`` (kept values freed as autograd frees saved
-tensors) and ``cache_bound`` (bounded cache). Here too: a saved tensor read twice in one
-pass (``realize_again``) and the version checks of kept and saved values.
+backward pass, the engine's hooks, end-of-pass cleanup, kept values freed as autograd frees
+saved tensors), ``replay`` (running a recorded op again: replay context, RNG replay) and
+``cache_bound`` (bounded cache). Here too: a saved tensor read twice in one pass
+(``realize_again``) and the version checks of kept and saved values.
 
 # Note [Realize order]
 # ``realize`` (``pass_core.Pass.realize``) walks the producers of a handle with an explicit

@@ -29,9 +29,8 @@ from ckpt_graph.engine.holding import detached, hold, unhold
 from ckpt_graph.engine.hooks import pack_hook_for, unpack_hook_for_autograd
 from ckpt_graph.engine.offload import Offloader
 from ckpt_graph.engine.outputs import KEPT_ON_HOST as _KEPT_ON_HOST
-from ckpt_graph.engine.passes import PassState
+from ckpt_graph.engine.passes import PassState, count_live_uses, free_use
 from ckpt_graph.engine.record import Recorder
-from ckpt_graph.engine.release import count_live_uses, free_use
 from ckpt_graph.engine.replay import REPLAY_GLOBALS, replay_globals
 from ckpt_graph.engine.storage_history import StorageHistory, rebase
 

@@ -300,7 +300,7 @@ class _Simulation:
         )
 
     def _free_rng(self, j: int) -> None:
-        """Rule 9, as ``release.free_use`` frees a dead op node's generator state."""
+        """Rule 9, as ``passes.free_use`` frees a dead op node's generator state."""
         op = self.g.ops[j]
         if self.holds[j] and is_dead(self.g.pass_graph, self.live_uses, self.may_run, j):
             self.holds[j] = False
@@ -310,7 +310,7 @@ class _Simulation:
 
     def _free_use(self, v: int) -> None:
         """A saved tensor of ``v`` was freed (rule 5, ``pass_graph.free_use`` as the engine's
-        ``release.free_use``)."""
+        ``passes.free_use``)."""
         free_use(
             self.g.pass_graph,
             self.kept,
