@@ -70,9 +70,14 @@ class Pass:
     Args:
         g: the graph.
         kept: per value, whether it is kept.
-        uses: per value, the pass's use counts (``count_uses``).
+        uses: per value, the pass's use counts (``pass_graph.count_uses``).
         cached: per value, whether it is cached (the pass updates it).
         executor: runs op nodes and holds or frees their values.
+        live: per value, whether the pass reads it as the program's live forward tensor
+            (the engine's Note [Live forward tensors]); ``None``: none is.
+        transient_min_bytes: smaller values are never transient.
+        bound_min_bytes: an automatic bound leaves a pass unbounded when its first caching
+            realize caches less.
 
     Attributes:
         transient: per value, whether it is transient (set by ``mark_transient``).
@@ -89,16 +94,20 @@ class Pass:
         uses: MutableSequence[int],
         cached: MutableSequence[bool],
         executor: Executor,
+        *,
+        live: Sequence[bool] | None = None,
+        transient_min_bytes: int = 0,
+        bound_min_bytes: int = 0,
     ) -> None:
         self.g, self.kept, self.uses, self.cached, self.executor = g, kept, uses, cached, executor
+        self.live = live
+        self.transient_min_bytes = transient_min_bytes
+        self.bound_min_bytes = bound_min_bytes
         self.transient = [False] * len(g.producer)
         self.waiting = [0] * len(g.producer)
         self.ran = [False] * len(g.outputs)
         self.runs = [0] * len(g.outputs)
         self.bound: Bound | None = None
-        self.bound_min_bytes = 0
-        self.transient_min_bytes = 0
-        self.live: Sequence[bool] | None = None
 
     def start(
         self,

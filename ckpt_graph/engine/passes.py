@@ -223,10 +223,16 @@ def begin_pass(region: Region, task: int, executor: Executor) -> None:
         return True
 
     runs = count_uses(g, kept, uses, taken=taken)
-    core = state.core = Pass(g, kept, uses, cached, executor)
-    core.live = live
-    core.transient_min_bytes = TRANSIENT_MIN_BYTES
-    core.bound_min_bytes = cache_bound.BOUND_MIN_BYTES
+    core = state.core = Pass(
+        g,
+        kept,
+        uses,
+        cached,
+        executor,
+        live=live,
+        transient_min_bytes=TRANSIENT_MIN_BYTES,
+        bound_min_bytes=cache_bound.BOUND_MIN_BYTES,
+    )
     limit = region.cache_limit
     bounded = limit != "unbounded"
     plan = core.start(

@@ -243,9 +243,15 @@ class _Simulation:
         self.live_uses = live_uses
         uses = [0 if kept[v] else live_uses[v] for v in range(len(values))]
         self.acc = acc = _Accountant(g, kept)
-        self.core = core = Pass(pg, kept, uses, [False] * len(values), acc)
-        core.transient_min_bytes = g.transient_min_bytes
-        core.bound_min_bytes = g.bound_min_bytes
+        self.core = core = Pass(
+            pg,
+            kept,
+            uses,
+            [False] * len(values),
+            acc,
+            transient_min_bytes=g.transient_min_bytes,
+            bound_min_bytes=g.bound_min_bytes,
+        )
         limit = g.cache_limit
         core.start(
             None if limit == "unbounded" else limit,  # type: ignore[arg-type]
