@@ -168,13 +168,14 @@ class Bound:
         g: PassGraph,
         kept: Sequence[bool],
         uses: MutableSequence[int],
-        cached: Sequence[bool],
+        cached: MutableSequence[bool],
         free: Callable[[int], None],
         last: Sequence[int],
         saved: Sequence[bool],
         live: Sequence[bool] | None = None,
     ) -> None:
-        self.g, self.kept, self.uses, self.cached, self.free = g, kept, uses, cached, free
+        self.g, self.kept, self.uses, self.cached = g, kept, uses, cached
+        self._free = free  # the executor's: no reference back to the pass (no cycle)
         self.live = live
         self.root = root = roots(g, kept)
         producer = g.producer
@@ -204,6 +205,11 @@ class Bound:
         self.segment: list[int] = []
         self.closing = False  # whether the running realize may close segments
         self.closed_segments = 0
+
+    def free(self, v: int) -> None:
+        """Free the cached value ``v``."""
+        self.cached[v] = False
+        self._free(v)
 
     def _others(self, r: int) -> bool:
         """Whether a storage's bytes are not the cache's (kept, a region input, live)."""

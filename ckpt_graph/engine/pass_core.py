@@ -126,7 +126,14 @@ class Pass:
         plan = None
         if bounded:
             bound = Bound(
-                self.g, self.kept, self.uses, self.cached, self.free, last, saved, self.live
+                self.g,
+                self.kept,
+                self.uses,
+                self.cached,
+                self.executor.free,
+                last,
+                saved,
+                self.live,
             )
             plan = bound.plan(cache_limit)
             if bound.limit > 0 or bound.undecided:
