@@ -19,6 +19,7 @@ saved tensors), ``replay`` (running a recorded op again: replay context, RNG rep
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -145,24 +146,34 @@ def _value(region: Region, a: Any) -> Any:
 
 class Runner:
     """The engine's executor of a pass (``pass_core.Executor``): runs recorded ops on
-    realized inputs and holds the recomputed tensors in ``Handle.cache``."""
+    realized inputs and holds the recomputed tensors in ``Handle.cache``.
 
-    __slots__ = ("made", "region", "state")
+    It refers to its region weakly: the region's pass state refers to the pass, which
+    refers to its executor, and a pass whose backward failed is never ended (no end-of-pass
+    callback), so a strong reference would be a cycle holding the region's cached values
+    until a gc pass.
+    """
+
+    __slots__ = ("made", "region")
 
     def __init__(self, region: Region) -> None:
-        self.region = region
-        self.state = region.pass_state
+        self.region = weakref.ref(region)
         self.made: dict[Handle, Any] = {}  # outputs of the op node just run
+
+    def _region(self) -> Region:
+        region = self.region()
+        assert region is not None  # a region runs its own passes
+        return region
 
     def run(self, j: int) -> None:
         """Run op node ``j`` (see ``run_node``)."""
-        region = self.region
+        region = self._region()
         node = region.nodes[j]
         outs = run_node(region, node)
         self.made = {o: v for o, v in zip(node.outputs, outs, strict=True) if o is not None}
 
     def hold(self, o: int) -> None:
-        state = self.state
+        state = self._region().pass_state
         h = state.handles[o]
         h.cache = self.made[h]
         if not h.is_view:  # a view's bytes belong to its base
@@ -177,7 +188,7 @@ class Runner:
         self.made = {}
 
     def free(self, v: int) -> None:
-        state = self.state
+        state = self._region().pass_state
         h = state.handles[v]
         h.cache = None
         if not h.is_view and not h.live:
