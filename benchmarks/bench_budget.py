@@ -219,7 +219,7 @@ def budget_row(model: GPT, x: torch.Tensor, fraction: float) -> dict[str, Any]:
         "step_peak": measured.peak_bytes,
         "sim_total": sim.peak_total_bytes,
         "flops": report.predicted_recompute_flops,
-        "ops": region._pass.recomputed_ops,
+        "ops": region.pass_state.recomputed_ops,
         "feasible": report.feasible,
         "method": report.method,
         "candidates": report.candidates,

@@ -66,7 +66,7 @@ def _one_region(w: Workload, stats: dict[str, int], **options: Any) -> Callable[
             loss = w.loss(w.model(*w.inputs))
         loss.backward()
         stats["ops"] = len(region.nodes)
-        stats["recomputed"] = region._pass.recomputed_ops
+        stats["recomputed"] = region.pass_state.recomputed_ops
 
     return step
 

@@ -22,8 +22,7 @@ OWNERS = {
     "ckpt_graph/engine/saved_log.py": ("SavedLog",),
     "ckpt_graph/engine/recording_state.py": ("RecordingState",),
 }
-# The pass state is renamed to a public owner in its own change (issue #24 §1).
-EXEMPT = {"_pass"}
+EXEMPT: set[str] = set()
 _ACCESSORS = {"getattr", "setattr", "hasattr", "delattr"}
 
 

@@ -202,9 +202,9 @@ def summary(region: Region) -> RegionSummary:
         rng_state_bytes=sum(  # random ops that drew nothing share one state tensor
             {id(n.rng[1]): n.rng[1].nbytes for n in region.nodes if n.rng is not None}.values()
         ),
-        backward_passes=region._pass.number,
-        recomputed_ops_last_pass=region._pass.recomputed_ops,
+        backward_passes=region.pass_state.number,
+        recomputed_ops_last_pass=region.pass_state.recomputed_ops,
         recomputed_ops_total=sum(n.realized for n in region.nodes),
-        peak_cached_bytes=region._pass.peak_cached_bytes,
+        peak_cached_bytes=region.pass_state.peak_cached_bytes,
         opened_by=region.opened_by,
     )

@@ -20,13 +20,13 @@ value, so it works during the forward, after it, and after the region freed its 
 #      recomputed inputs of the op nodes that produce them. The chain stops at kept values
 #      (region inputs included). Their op nodes are the ones a backward that unpacks every
 #      saved tensor runs once each; their FLOPs are the recompute FLOPs.
-# The engine's own figure ``region._pass.peak_cached_bytes`` counts every cached handle
+# The engine's own figure ``region.pass_state.peak_cached_bytes`` counts every cached handle
 # (views and in-place versions included), so it can exceed these storage bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,6 +51,8 @@ __all__ = [
 
 from ckpt_graph.engine.flops import node_flops
 from ckpt_graph.engine.graph import KeptReason
+from ckpt_graph.engine.pass_graph import collect
+from ckpt_graph.engine.passes import pass_graph
 
 
 def written_input(node: OpNode) -> Handle | None:
@@ -180,30 +182,31 @@ def recompute_chain(
         8192
     """
     nodes = region.nodes
-    stack = list(targets)
+    g, handles, index = pass_graph(region)
     values: dict[int, Handle] = {}
     sources: dict[int, Handle] = {}
-    ran: set[int] = set()
-    while stack:  # iterative: chains can be 10k+ ops long
-        h = stack.pop()
-        if id(h) in values or id(h) in sources:
-            continue
+    walk: list[int] = []
+    for h in targets:
         if (h.kept and h is not as_recomputed) or h.node_index < 0:
             sources[id(h)] = h
-            continue
-        values[id(h)] = h
-        if h.node_index in ran:
-            continue
-        ran.add(h.node_index)
-        stack.extend(nodes[h.node_index].inputs)
+        elif id(h) not in values:
+            values[id(h)] = h
+            walk.append(index[h])
+    # The pass's walk back (Note [One pass core]), with nothing cached.
+    order, need = collect(g, walk, _Kept(handles, as_recomputed))
+    for v in need:
+        values[id(handles[v])] = handles[v]
+    for j in order:
+        for i in nodes[j].inputs:
+            if id(i) not in values:
+                sources[id(i)] = i
     keys: dict[int, int] = {}
     for h in values.values():
         key = recompute_key(region, h) if h is not as_recomputed else h
         if key is not None:
             keys[id(key)] = key.nbytes
-    order = tuple(sorted(ran))
     return Chain(
-        nodes=order,
+        nodes=tuple(order),
         values=tuple(sorted(values.values(), key=lambda v: (v.node_index, v.output_index))),
         # kept op outputs first: they say more than parameters
         sources=tuple(
@@ -214,6 +217,23 @@ def recompute_chain(
         flops=sum(node_flops(nodes[i]) for i in order),
         nbytes=sum(keys.values()),
     )
+
+
+class _Kept(Sequence[bool]):
+    """Per value number, whether the chain stops there: a kept value (but ``as_recomputed``)
+    or a region input."""
+
+    __slots__ = ("as_recomputed", "handles")
+
+    def __init__(self, handles: list[Handle], as_recomputed: Handle | None) -> None:
+        self.handles, self.as_recomputed = handles, as_recomputed
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def __getitem__(self, v: int) -> bool:  # type: ignore[override]
+        h = self.handles[v]
+        return (h.kept and h is not self.as_recomputed) or h.node_index < 0
 
 
 def value_position(h: Handle) -> int:

@@ -1,7 +1,9 @@
 """The bounded recompute cache: the decision to bound, segments, checkpoints and owed runs.
 
-``realize`` runs a bounded pass with these pieces; ``save_recompute_policy(cache_limit=...)``
-is validated by :func:`parse_cache_limit`.
+:class:`Bound` is the state of a bounded pass over a ``pass_graph.PassGraph`` (integers, no
+framework objects): ``pass_core.Pass`` runs it, in the engine and in the liveness
+simulator alike. ``save_recompute_policy(cache_limit=...)`` is validated by
+:func:`parse_cache_limit`.
 
 # Note [Bounded recompute cache]
 # Caching every recomputed value until its last use (Note [Use counts and freeing]) makes
@@ -30,7 +32,7 @@ is validated by :func:`parse_cache_limit`.
 # 2. A bounded realize first collects the op nodes to run (from its target back to kept or
 #    cached values) and counts, per value, the collected ops that read it (``need``); then it
 #    runs them in forward order. A value that no remaining op of the realize reads, but a
-#    later unpack or op will (``pass_uses > 0``), joins the open *segment*. When the realize
+#    later unpack or op will (a use left), joins the open *segment*. When the realize
 #    passes a planned cut, the segment is closed: every value of this realize that a
 #    remaining op still reads (the frontier: with the kept values it suffices for every
 #    later op) becomes a *checkpoint*, cached until its use count reaches zero, and the
@@ -64,31 +66,18 @@ is validated by :func:`parse_cache_limit`.
 from __future__ import annotations
 
 import bisect
-import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Callable, MutableSequence, Sequence
 
 from ckpt_graph._errors import CkptGraphError
 from ckpt_graph._sizes import parse_size
-from ckpt_graph.engine.segment_plan import SegmentProfile
-
-if TYPE_CHECKING:
-    from ckpt_graph.engine.graph import Handle, OpNode
-    from ckpt_graph.engine.passes import PassState
-    from ckpt_graph.engine.region import Region
+from ckpt_graph.engine.pass_graph import PassGraph, collect, roots
+from ckpt_graph.engine.segment_plan import SegmentPlan, SegmentProfile
 
 __all__ = [
     "BOUND_MIN_BYTES",
-    "close_segment",
-    "closes_between",
-    "collect_realize",
-    "decide_bound",
-    "join_segment",
-    "owe",
+    "Bound",
     "parse_cache_limit",
-    "plan_bound",
-    "plan_realize",
-    "root_of",
-    "unpin",
+    "step_gradient_bytes",
 ]
 
 
@@ -130,228 +119,232 @@ def parse_cache_limit(limit: object) -> int | str | None:
 BOUND_MIN_BYTES = 64 * 1024
 
 
-def plan_bound(region: Region, last: dict[Handle, int]) -> None:
-    """Plan the pass's bound from its use counts; ``last`` maps each recomputed value to its
-    last consumer op that will run. Sets ``PassState.segment_limit`` and ``cuts`` for an
-    explicit ``cache_limit``, or the plan an automatic bound decides on (``decide_bound``).
-    See Note [Bounded recompute cache], rule 1.
-    """
-    state = region._pass
-    state.roots = {}  # kept values are settled for the pass: see ``root_of``
-    storages: dict[Handle, list[int]] = {}  # per storage (its root value): producer, end, saved
-    for node in region.nodes:
-        for o in node.outputs:
-            if o is not None and o.reason is None and o.pass_uses > 0 and not o.live:
-                root = root_of(region, o)
-                if root.reason is not None or root.live:
-                    continue  # a view of a kept or live value holds nothing
-                entry = storages.get(root)
-                if entry is None:
-                    entry = storages[root] = [root.node_index, root.node_index, 0]
-                entry[1] = max(entry[1], last.get(o, node.index))
-                if o.saved_refs:
-                    entry[2] = 1
-    spans = [(p, e, r.nbytes, saved == 1) for r, (p, e, saved) in storages.items()]
-    profile = SegmentProfile(len(region.nodes), spans)
-    limit = region.cache_limit
-    if limit is None:
-        state.undecided = profile.saved_bytes > 0
-        state.profile = profile
-        return
-    assert isinstance(limit, int)
-    total = profile.saved_bytes
-    if total <= limit:
-        return
-    plan = profile.plan(limit)
-    if not plan.feasible:
-        warnings.warn(
-            f"ckpt_graph: cache_limit={limit:,} bytes is below the {plan.peak:,} bytes that "
-            f"this region's recomputed values ({total:,} bytes) need with at most "
-            f"two forwards of recompute; caching up to about {plan.peak:,} bytes instead. Keep "
-            "more values (a policy or tag_with_policy), or raise cache_limit to silence this "
-            "warning.",
-            UserWarning,
-            stacklevel=5,
-        )
-    state.segment_limit = max(plan.peak, 1)
-    state.cuts = list(plan.cuts)
-    state.profile = profile
-
-
-def decide_bound(region: Region, h: Handle) -> bool | None:
-    """Decide an automatic bound at the pass's first realize that caches anything: whether
-    the pass is bounded, or ``None`` when realizing ``h`` caches nothing for later (the
-    decision waits). See Note [Bounded recompute cache], rule 1."""
-    state = region._pass
-    profile = state.profile
-    assert profile is not None
-    _, _, held = collect_realize(region, h)
-    if held == 0:
-        return None
-    state.undecided = False
-    if held < BOUND_MIN_BYTES:
-        state.profile = None
-        return False
-    plan = profile.plan(extra=step_gradient_bytes(region, h))
-    if not plan.cuts or held < 2 * plan.peak:
-        state.profile = None
-        return False
-    state.segment_limit = max(plan.peak, 1)
-    state.cuts = list(plan.cuts)
-    return True
-
-
-def step_gradient_bytes(region: Region, h: Handle) -> int:
-    """Bytes of the gradients alive while backward unpacks ``h`` the first time, as the
-    region's graph bounds them: the outputs of the last op reading ``h`` (its step) and the
-    values made before that op and read after it. See Note [Planned segment cuts], rule 2.
-    """
-    nodes = region.nodes
-    step = h.node_index
-    last: dict[Handle, int] = {}
-    for node in nodes[h.node_index + 1 :]:
-        for i in node.inputs:
-            if i.node_index >= 0:
-                last[i] = node.index
-                if i is h:
-                    step = node.index
-    total = 0
-    for o in nodes[step].outputs:
-        if o is not None and not o.is_view:
-            total += o.nbytes
-    for v, end in last.items():
-        if v.node_index < step < end and not v.is_view:
-            total += v.nbytes
+def step_gradient_bytes(g: PassGraph, v: int) -> int:
+    """Bytes of the gradients alive while backward reads ``v`` the first time, as the
+    graph bounds them: the outputs of the last op node reading ``v`` (its step) and the
+    values made before that node and read after it. See Note [Planned segment cuts],
+    rule 2."""
+    inputs, producer, view, nbytes = g.inputs, g.producer, g.view, g.nbytes
+    step = producer[v]
+    last: dict[int, int] = {}
+    for j in range(producer[v] + 1, len(inputs)):
+        for i in inputs[j]:
+            if producer[i] >= 0:
+                last[i] = j
+                if i == v:
+                    step = j
+    total = sum(nbytes[o] for o in g.outputs[step] if not view[o])
+    for u, end in last.items():
+        if producer[u] < step < end and not view[u]:
+            total += nbytes[u]
     return total
 
 
-def root_of(region: Region, h: Handle) -> Handle:
-    """The value whose storage ``h`` uses (``h`` itself unless a view), through views.
+class Bound:
+    """The state of a bounded pass. See Note [Bounded recompute cache].
 
-    Memoized for the pass (``PassState.roots``, reset by ``segment_limit`` at its start,
-    when kept values no longer change): views of the last write's result (a buffer filled
-    step by step) form a chain as long as the writes before them, and walking it for each
-    value made a pass quadratic in the number of writes.
+    Args:
+        g: the graph.
+        kept: per value, whether it is kept.
+        uses: the pass's use counts (updated: checkpoints are pinned, owed runs add uses).
+        cached: per value, whether it is cached now.
+        free: frees a cached value (the executor's ``free``).
+        last: per value, the last op node of the pass that reads it (``last_readers``).
+        saved: per value, whether a saved tensor refers to it.
+        live: per value, whether the pass reads the program's forward tensor (its bytes
+            are the program's), or ``None``.
+
+    Attributes:
+        limit: planned peak of the cache, 0 while the pass is not bounded.
+        cuts: op nodes after which a segment closes, ascending.
+        undecided: an automatic bound waits for the first realize that caches anything.
+        profile: the pass's recomputed storages, until decided and the tail cut placed.
+        owed: per op node, an output was freed while it had uses left: it runs again.
+        closed_segments: segments closed so far.
     """
-    roots = region._pass.roots
-    walked: list[Handle] = []
-    while h.is_view and h.reason is None:
-        root = roots.get(h)
-        if root is not None:
-            h = root
-            break
-        inputs = region.nodes[h.node_index].inputs
-        if not inputs:
-            break
-        walked.append(h)
-        h = inputs[0]
-    for v in walked:
-        roots[v] = h
-    return h
 
+    def __init__(
+        self,
+        g: PassGraph,
+        kept: Sequence[bool],
+        uses: MutableSequence[int],
+        cached: MutableSequence[bool],
+        free: Callable[[int], None],
+        last: Sequence[int],
+        saved: Sequence[bool],
+        live: Sequence[bool] | None = None,
+    ) -> None:
+        self.g, self.kept, self.uses, self.cached = g, kept, uses, cached
+        self._free = free  # the executor's: no reference back to the pass (no cycle)
+        self.live = live
+        self.root = root = roots(g, kept)
+        producer = g.producer
+        storages: dict[int, list[int]] = {}  # per root: producer, last reader, saved
+        for v, p in enumerate(producer):
+            if p < 0 or kept[v] or uses[v] <= 0 or (live is not None and live[v]):
+                continue
+            r = root[v]
+            if self._others(r):
+                continue  # a view of a kept or live value holds nothing
+            entry = storages.get(r)
+            if entry is None:
+                entry = storages[r] = [producer[r], producer[r], 0]
+            entry[1] = max(entry[1], last[v] if last[v] >= 0 else p)
+            if saved[v]:
+                entry[2] = 1
+        spans = [(p, e, g.nbytes[r], s == 1) for r, (p, e, s) in storages.items()]
+        self.profile: SegmentProfile | None = SegmentProfile(len(g.outputs), spans)
+        self.limit = 0
+        self.cuts: list[int] = []
+        self.undecided = False
+        self.owed = [False] * len(g.outputs)
+        self.need: dict[int, int] = {}  # per value, collected op nodes of the realize to read it
+        self.active: dict[int, None] = {}  # values of this realize that ``need`` > 0
+        self.checkpoints: set[int] = set()
+        self.pinned: list[int] = []  # checkpoints of the last cut, until the next close
+        self.segment: list[int] = []
+        self.closing = False  # whether the running realize may close segments
+        self.closed_segments = 0
 
-def join_segment(state: PassState, h: Handle) -> None:
-    """``h`` is cached for later users only: add it to the open segment. See Note [Bounded
-    recompute cache], rule 2."""
-    state.segment.append(h)
+    def free(self, v: int) -> None:
+        """Free the cached value ``v``."""
+        self.cached[v] = False
+        self._free(v)
 
+    def _others(self, r: int) -> bool:
+        """Whether a storage's bytes are not the cache's (kept, a region input, live)."""
+        return self.kept[r] or self.g.producer[r] < 0 or (self.live is not None and self.live[r])
 
-def close_segment(region: Region, state: PassState) -> None:
-    """Keep the frontier cached as checkpoints, drop the open segment's values. The new
-    checkpoints are pinned (one use more) until the next close: the segment after them may
-    be dropped, and its producers then read them again. See Note [Bounded recompute
-    cache], rule 2."""
-    state.checkpoints.update(state.active)
-    state.closed_segments += 1
-    for d in state.segment:
-        if d.cache is not None:
-            d.cache = None
-            if not d.is_view:
-                state.cached_bytes -= d.nbytes
-            owe(region, region.nodes[d.node_index])
-    state.segment = []
-    for a in state.active:
-        a.pass_uses += 1
-    unpin(state)
-    state.pinned = list(state.active)
+    def plan(self, cache_limit: int | None) -> SegmentPlan | None:
+        """Plan the pass's bound (rule 1): automatic (``None``) waits for ``decide``; an
+        explicit limit plans the cuts now when the saved bytes exceed it and returns the
+        plan (``feasible`` false: the least peak two forwards allow is used instead)."""
+        profile = self.profile
+        assert profile is not None
+        if cache_limit is None:
+            self.undecided = profile.saved_bytes > 0
+            return None
+        if profile.saved_bytes <= cache_limit:
+            self.profile = None
+            return None
+        plan = profile.plan(cache_limit)
+        self.limit, self.cuts = max(plan.peak, 1), list(plan.cuts)
+        return plan
 
+    def held_bytes(self, order: Sequence[int], need: dict[int, int]) -> int:
+        """Bytes of the storages a realize running ``order`` leaves cached for later."""
+        kept, uses, root, outputs = self.kept, self.uses, self.root, self.g.outputs
+        held = {
+            root[o] for j in order for o in outputs[j] if not kept[o] and uses[o] > need.get(o, 0)
+        }
+        return sum(self.g.nbytes[r] for r in held if not self._others(r))
 
-def unpin(state: PassState) -> None:
-    """Release the pins of the last cut's checkpoints; free those with no use left."""
-    for a in state.pinned:
-        a.pass_uses -= 1
-        if a.pass_uses == 0 and a.cache is not None:
-            a.cache = None
-            if not a.is_view:
-                state.cached_bytes -= a.nbytes
-    state.pinned = []
+    def decide(self, v: int, min_bytes: int) -> bool | None:
+        """The automatic bound's decision at a realize of ``v``: whether the pass is
+        bounded, ``None`` when that realize caches nothing for later (rule 1)."""
+        order, need = collect(self.g, (v,), self.kept, self.cached)
+        held = self.held_bytes(order, need)
+        if held == 0:
+            return None
+        self.undecided = False
+        if held < min_bytes:
+            self.profile = None
+            return False
+        assert self.profile is not None
+        plan = self.profile.plan(extra=step_gradient_bytes(self.g, v))
+        if not plan.cuts or held < 2 * plan.peak:
+            self.profile = None
+            return False
+        self.limit, self.cuts = max(plan.peak, 1), list(plan.cuts)
+        return True
 
+    def realize(self, v: int, run: Callable[[int], None]) -> None:
+        """Realize ``v`` (rule 2): collect its op nodes, ``run`` them in forward order,
+        close the segments at the cuts passed; the last segment stays cached."""
+        order, self.need = collect(self.g, (v,), self.kept, self.cached)
+        self.segment = []
+        # When what it leaves cached fits, the realize closes nothing: it runs a closed
+        # segment again.
+        self.closing = self.held_bytes(order, self.need) > self.limit
+        profile = self.profile
+        if self.closing and profile is not None:  # See Note [Planned segment cuts], rule 4.
+            self.profile = None
+            cut = profile.tail_cut(self.cuts, self.g.producer[v])
+            if cut is not None:
+                bisect.insort(self.cuts, cut)
+        try:
+            for k, j in enumerate(order):
+                run(j)
+                if self.closing and k + 1 < len(order) and self._closes_between(j, order[k + 1]):
+                    self.close()
+        finally:
+            self.unpin()
+            self.need = {}
+            self.active = {}
 
-def closes_between(state: PassState, after: int, before: int) -> bool:
-    """Whether a planned cut lies at op ``after`` or between it and op ``before``."""
-    cuts = state.cuts
-    k = bisect.bisect_left(cuts, after)
-    return k < len(cuts) and cuts[k] < before
+    def made(self, o: int) -> None:
+        """Op node output ``o`` was cached: active for this realize, or in the segment."""
+        if o in self.need:
+            self.active[o] = None
+        else:
+            self.segment.append(o)
 
+    def read(self, i: int) -> None:
+        """A run of this realize read ``i`` (after its use was taken): once no collected
+        node reads it any more, it joins the segment unless it is a checkpoint."""
+        left = self.need[i] - 1
+        if left > 0:
+            self.need[i] = left
+            return
+        del self.need[i]
+        if i in self.active:
+            del self.active[i]
+            if self.cached[i] and i not in self.checkpoints:
+                self.segment.append(i)
 
-def owe(region: Region, node: OpNode) -> None:
-    """A cached output of ``node`` was dropped: ``node`` will run again. See Note [Bounded
-    recompute cache], rule 3."""
-    nodes = region.nodes
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n.owed:
-            continue
-        n.owed = True
-        for i in n.inputs:
-            if i.reason is None:
-                i.pass_uses += 1
-                if i.cache is None:
-                    stack.append(nodes[i.node_index])
+    def close(self) -> None:
+        """Keep the frontier cached as checkpoints, pinned (one use more) until the next
+        close; free the open segment's values, owing their producers a run (rule 2)."""
+        self.checkpoints.update(self.active)
+        self.closed_segments += 1
+        for d in self.segment:
+            if self.cached[d]:
+                self.free(d)
+                self.owe(self.g.producer[d])
+        self.segment = []
+        for a in self.active:
+            self.uses[a] += 1
+        self.unpin()
+        self.pinned = list(self.active)
 
+    def unpin(self) -> None:
+        """Take the pins of the last cut's checkpoints back; free those with no use left."""
+        uses = self.uses
+        for a in self.pinned:
+            uses[a] -= 1
+            if uses[a] == 0 and self.cached[a]:
+                self.free(a)
+        self.pinned = []
 
-def collect_realize(region: Region, h: Handle) -> tuple[list[int], dict[Handle, int], int]:
-    """What a realize of ``h`` runs, from its target back to kept or cached values: the op
-    nodes in forward order, per value the collected ops that read it (``need``, the target
-    once for its unpack), and the bytes of the storages it leaves cached for later users."""
-    nodes = region.nodes
-    need = {h: 1}
-    todo: set[int] = set()
-    stack = [h.node_index]
-    while stack:
-        index = stack.pop()
-        if index in todo:
-            continue
-        todo.add(index)
-        for i in nodes[index].inputs:
-            if i.reason is None:
-                need[i] = need.get(i, 0) + 1
-                if i.cache is None:
-                    stack.append(i.node_index)
-    order = sorted(todo)
-    held: set[Handle] = set()
-    for index in order:
-        for o in nodes[index].outputs:
-            if o is not None and o.reason is None and o.pass_uses > need.get(o, 0):
-                held.add(root_of(region, o))
-    return order, need, sum(r.nbytes for r in held if r.reason is None and not r.live)
+    def _closes_between(self, after: int, before: int) -> bool:
+        """Whether a cut lies at op node ``after`` or between it and ``before``."""
+        cuts = self.cuts
+        k = bisect.bisect_left(cuts, after)
+        return k < len(cuts) and cuts[k] < before
 
-
-def plan_realize(region: Region, h: Handle) -> list[int]:
-    """The op nodes a bounded realize of ``h`` runs, in forward order; sets up the pass
-    state (``need``, the open segment, whether it may close). See Note [Bounded recompute
-    cache], rule 2."""
-    state = region._pass
-    order, state.need, held = collect_realize(region, h)
-    # When the values it leaves cached fit, the realize closes nothing: it is running a
-    # closed segment again.
-    state.segment = []
-    state.closing = held > state.segment_limit
-    profile = state.profile
-    if state.closing and profile is not None:  # See Note [Planned segment cuts], rule 4.
-        state.profile = None
-        cut = profile.tail_cut(state.cuts, h.node_index)
-        if cut is not None:
-            bisect.insort(state.cuts, cut)
-    return order
+    def owe(self, j: int) -> None:
+        """A cached output of op node ``j`` was freed: ``j`` runs again, and each of its
+        recomputed inputs gets a use, owed further back when not cached (rule 3)."""
+        inputs, producer, kept = self.g.inputs, self.g.producer, self.kept
+        owed, uses, cached = self.owed, self.uses, self.cached
+        stack = [j]
+        while stack:
+            j = stack.pop()
+            if owed[j]:
+                continue
+            owed[j] = True
+            for i in inputs[j]:
+                if not kept[i]:
+                    uses[i] += 1
+                    if not cached[i]:
+                        stack.append(producer[i])

@@ -13,7 +13,7 @@
 # Note [Kept value checks]
 # A write through ``.data`` (``w.data.mul_(2)`` between forward and backward) changes a
 # kept value's storage without bumping the version counter the engine compares (see
-# ``version_check._check_version``), so recomputation silently uses the new values where eager
+# ``realize._check_version``), so recomputation silently uses the new values where eager
 # would have used the forward's (torch.utils.checkpoint has the same blind spot). With
 # ``debug=True`` the region takes the checksum of every value it still keeps (region
 # inputs such as parameters, values kept by policy or tag) when it exits, and compares it

@@ -132,20 +132,10 @@ class Handle:
             is overwritten in place without a copy: Note [Mutation and views], rule 4).
         saved_refs: saved tensors alive now (``hooks.Packed`` objects) that refer to the
             value; each is freed when autograd frees it.
-        live_uses: from region exit on, across backward passes: saved tensors and op nodes
-            that may still run that need the value; a kept value is freed when it
-            reaches zero (see Note [Releasing kept values]).
-        pass_uses: the use count of the current backward pass: saved tensors and op nodes
-            that will run in this pass still to use the value; its cache is freed when it
-            reaches zero (see Note [Use counts and freeing]).
-        cache: per backward pass, the recomputed value while ``pass_uses > 0``.
+        cache: per backward pass, the recomputed value while it has a use left (see Note
+            [Use counts and freeing]).
         live: per backward pass, ``cache`` is the forward tensor the program still holds,
             unchanged, instead of a recomputed value (see Note [Live forward tensors]).
-        transient: per backward pass, a cheap value recomputed at each use instead of
-            cached between uses (see Note [Transient values]).
-        waiting_readers: per backward pass, for a transient value, the op nodes of the
-            running realize waiting to run that read its cached value (``realize`` pins
-            and unpins it); the cache is freed when none is left.
     """
 
     __slots__ = (
@@ -161,12 +151,10 @@ class Handle:
         "input_index",
         "is_view",
         "live",
-        "live_uses",
         "nbytes",
         "node_index",
         "offload_device",
         "output_index",
-        "pass_uses",
         "reason",
         "ref",
         "saved_refs",
@@ -175,10 +163,8 @@ class Handle:
         "storage_offset",
         "stride",
         "superseded",
-        "transient",
         "value",
         "version",
-        "waiting_readers",
         "writes",
     )
 
@@ -212,12 +198,8 @@ class Handle:
         self.superseded = False
         self.forward_uses = 0
         self.saved_refs = 0
-        self.live_uses = 0
-        self.pass_uses = 0
         self.cache: torch.Tensor | None = None
         self.live = False
-        self.transient = False
-        self.waiting_readers = 0
 
     @property
     def kept(self) -> bool:
@@ -265,13 +247,7 @@ class OpNode:
         stack: Python stack of the forward call (only with ``debug=True``).
         checksums: per output, a checksum of the forward value (only with ``debug=True``).
         realized: how many times the op ran during backward passes.
-        may_run: from region exit on, some recomputed output still has live uses, so the
-            op node may have to run again; once ``False`` it never runs again and its
-            generator state is freed when its kept outputs have no live use either (see
-            Note [Releasing kept values]).
-        transient: per backward pass, its output is transient (see Note [Transient values]).
-        owed: per bounded pass, an output was freed while pending: the op runs again
-            (see Note [Bounded recompute cache]).
+        pass_id: the number of the last backward pass it ran in (``PassState.number``).
     """
 
     # Class-level defaults (OpNode has no ``__slots__``, unlike Handle, whose every field
@@ -289,9 +265,6 @@ class OpNode:
     checksums: tuple[tuple[float, float, float] | None, ...] | None = None
     realized = 0
     pass_id = -1
-    may_run = False
-    transient = False
-    owed = False
 
     def __init__(
         self,

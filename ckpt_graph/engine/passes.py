@@ -1,15 +1,21 @@
-"""Backward passes of a region: use counts, transient values, end-of-pass cleanup.
+"""Backward passes of a region: begin (use counts, plan), the engine's hooks, end; kept
+values freed as autograd frees the saved tensors that need them.
+
+A pass runs as a ``pass_core.Pass`` over the region's numbered graph (:func:`pass_graph`),
+the rules the liveness simulator runs too (Note [One pass core]); this module adds what only
+the engine has: live forward tensors, kept values changed after the region, the autograd
+callback that ends a partial backward.
 
 # Note [Use counts and freeing]
 # Each backward pass of a region starts at the first unpack whose autograd graph task id
 # differs from the last one seen. It computes, for every recomputed handle, its use count
-# for the pass (``Handle.pass_uses``): the saved tensors still alive that refer to it, plus
+# for the pass (``Pass.uses``): the saved tensors still alive that refer to it, plus
 # every op node that will have to run and takes it as input. Op nodes are recorded in
 # forward order, which is a topological order, so one sweep from the last node back
 # decides which nodes will run (some recomputed output is pending) and adds their inputs.
 # When a node runs, its outputs with a pending use are cached and the others dropped at
 # once; each of its inputs loses one use. An unpack takes one use of its handle. A cached
-# value is freed (``cache = None``) the moment its use count reaches zero. The pass ends
+# value is freed (``Handle.cache = None``) the moment its use count reaches zero. The pass ends
 # with an autograd engine callback that frees whatever a partial backward left cached
 # (``torch.autograd.grad`` on part of the outputs, ``inputs=``); the next pass, e.g. after
 # ``retain_graph=True``, counts again from scratch.
@@ -32,12 +38,12 @@
 #   add up to no more bytes than ``h``.
 #
 # The uses of the producer's inputs are tied to the uses of ``h``: each input gets
-# ``h.pass_uses - 1`` extra uses, running the producer releases nothing, and every use of
-# ``h`` served releases one use of each input. So the inputs stay cached exactly as long as
+# ``uses[h] - 1`` extra uses, running the producer frees nothing, and every use of
+# ``h`` served takes one use of each input. So the inputs stay cached exactly as long as
 # ``h`` could be needed again, whatever the number of actual runs. The cached value of ``h``
 # is dropped as soon as no op node waiting to run needs it: ``realize`` *pins* a transient
 # input when it expands a node and unpins it after the node ran
-# (``Handle.waiting_readers``), and ops in one realize share one run. Memory never grows: at
+# (``Pass.waiting``), and ops in one realize share one run. Memory never grows: at
 # any time the producer's recomputed inputs held for ``h`` (no more bytes than ``h``, and
 # cached for other users anyway) replace ``h`` itself; the cost is one cheap pointwise op
 # per extra use. In the residual example, the value between attention and MLP (``x + attn``)
@@ -46,50 +52,71 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from ckpt_graph.engine.cache_bound import decide_bound, plan_bound
-from ckpt_graph.engine.graph import Handle, version_of
+from ckpt_graph.engine import cache_bound
+from ckpt_graph.engine.graph import version_of
 from ckpt_graph.engine.holding import detached, free_kept
+from ckpt_graph.engine.pass_core import Executor, Pass
+from ckpt_graph.engine.pass_graph import PassGraph, count_uses, is_dead, last_readers
+from ckpt_graph.engine.pass_graph import free_use as _free_use
 
 if TYPE_CHECKING:
-    from ckpt_graph.engine.graph import OpNode
+    from ckpt_graph.engine.graph import Handle, OpNode
     from ckpt_graph.engine.region import Region
-    from ckpt_graph.engine.segment_plan import SegmentProfile
 
 __all__ = [
     "TRANSIENT_MIN_BYTES",
     "PassState",
     "begin_pass",
-    "decide",
+    "count_live_uses",
     "end_pass",
+    "free_use",
     "live_forward",
+    "pass_graph",
 ]
 
 
 class PassState:
-    """Per-region state of the current backward pass."""
+    """Per-region state of the current (or last) backward pass; ``Region.pass_state``.
+
+    Attributes:
+        task: the autograd graph task of the pass (-2 between passes).
+        number: passes begun so far.
+        recomputed_ops: op node runs in the current or last pass.
+        cached_bytes: bytes of the recomputed values cached now (views and live forward
+            tensors not counted).
+        peak_cached_bytes: the most ``cached_bytes`` reached in the current or last pass.
+        core: the running pass (``pass_core.Pass``), ``None`` between passes.
+        graph: the region's graph numbered for the pass rules (``pass_graph``).
+        handles: the region's values by number.
+        index: per handle, its number.
+        live_uses: from region exit on, across passes, per value: the saved tensors and op
+            nodes that may still run that need it; a kept value is freed at zero (see Note
+            [Releasing kept values]).
+        may_run: from region exit on, per op node: some recomputed output still has live
+            uses, so it may have to run again; once false it never runs again and its
+            generator state is freed when its kept outputs have no live use either.
+    """
 
     __slots__ = (
-        "active",
+        "_last_closed",
         "cached_bytes",
-        "checkpoints",
-        "closed_segments",
-        "closing",
-        "cuts",
-        "need",
+        "core",
+        "graph",
+        "handles",
+        "index",
+        "live_uses",
+        "may_run",
         "number",
+        "numbered",
         "peak_cached_bytes",
-        "pinned",
-        "profile",
         "recomputed_ops",
-        "roots",
-        "segment",
-        "segment_limit",
         "task",
-        "undecided",
     )
 
     def __init__(self) -> None:
@@ -98,57 +125,133 @@ class PassState:
         self.recomputed_ops = 0
         self.cached_bytes = 0
         self.peak_cached_bytes = 0
-        # See Note [Bounded recompute cache]; segment_limit 0: the pass caches without bound,
-        # else the planned peak of the cache, with segments closed at ``cuts`` (op indices).
-        self.segment_limit = 0
-        self.cuts: list[int] = []
-        self.undecided = False  # an automatic bound waits for the first realize that caches
-        self.profile: SegmentProfile | None = None  # until decided and the tail cut placed
-        self.segment: list[Handle] = []
-        self.closing = False  # whether the running realize may close segments
-        self.closed_segments = 0  # in the current or last pass
-        self.active: dict[Handle, None] = {}  # values of this realize that `need` > 0
-        self.need: dict[Handle, int] = {}  # per value, collected ops of the realize to read it
-        self.checkpoints: set[Handle] = set()
-        self.pinned: list[Handle] = []  # checkpoints of the last cut, until the next close
-        self.roots: dict[Handle, Handle] = {}  # memo of ``cache_bound.root_of``
+        self.core: Pass | None = None
+        self.graph: PassGraph | None = None
+        self.handles: list[Handle] = []
+        self.index: dict[Handle, int] = {}
+        self.live_uses: list[int] = []  # See Note [Releasing kept values].
+        self.may_run: list[bool] = []
+        self.numbered = (-1, -1)  # op nodes and region inputs when ``graph`` was built
+        self._last_closed = 0  # segments the last bounded pass closed
+
+    @property
+    def closed_segments(self) -> int:
+        """Segments of the bounded cache closed in the current or last pass (See Note
+        [Bounded recompute cache])."""
+        core = self.core
+        if core is not None and core.bound is not None:
+            return core.bound.closed_segments
+        return self._last_closed
 
 
-def begin_pass(region: Region, task: int) -> None:
-    """Reset use counts for a new backward pass. See Note [Use counts and freeing]."""
-    state = region._pass
+def pass_graph(region: Region) -> tuple[PassGraph, list[Handle], dict[Handle, int]]:
+    """The region's graph numbered for the pass rules: region inputs first, then the outputs
+    of each op node; memoized while the region records nothing new. See Note [One pass
+    core]."""
+    state = region.pass_state
+    nodes = region.nodes
+    g = state.graph
+    if g is not None and state.numbered == (len(nodes), len(region.inputs)):
+        return g, state.handles, state.index
+    handles: list[Handle] = list(region.inputs)
+    index = {h: v for v, h in enumerate(handles)}
+    outputs: list[tuple[int, ...]] = []
+    for node in nodes:
+        outs = []
+        for o in node.outputs:
+            if o is not None:
+                index[o] = len(handles)
+                outs.append(len(handles))
+                handles.append(o)
+        outputs.append(tuple(outs))
+    inputs: list[tuple[int, ...]] = []
+    for node in nodes:
+        ins = []
+        for i in node.inputs:
+            v = index.get(i)
+            if v is None:  # a value no op made and not listed as an input: kept as one
+                v = index[i] = len(handles)
+                handles.append(i)
+            ins.append(v)
+        inputs.append(tuple(ins))
+    g = PassGraph(
+        inputs=inputs,
+        outputs=outputs,
+        producer=[h.node_index for h in handles],
+        nbytes=[h.nbytes for h in handles],
+        view=[h.is_view for h in handles],
+        has_views=[h.has_views for h in handles],
+        transient_ok=[
+            n.info.is_pointwise
+            and not n.info.writes
+            and not n.info.is_random
+            and len(n.outputs) == 1
+            and n.outputs[0] is not None
+            for n in nodes
+        ],
+    )
+    state.graph, state.handles, state.index = g, handles, index
+    state.numbered = (len(nodes), len(region.inputs))
+    return g, handles, index
+
+
+def begin_pass(region: Region, task: int, executor: Executor) -> None:
+    """Count the use counts of a new backward pass and plan it (bounded cache, transient
+    values). See Note [Use counts and freeing] and Note [One pass core]."""
+    state = region.pass_state
     if state.task != -2:
         end_pass(region)
     state.task = task
     state.number += 1
     state.recomputed_ops = 0
     state.peak_cached_bytes = 0
+    state._last_closed = 0
     _recompute_changed_kept(region)
-    state.closed_segments = 0
-    bound = region.cache_limit != "unbounded"
-    last: dict[Handle, int] = {}  # last consumer that will run, per recomputed value
-    for node in reversed(region.nodes):
-        needed = False
-        for o in node.outputs:
-            if o is not None and o.reason is None:
-                o.pass_uses += o.saved_refs
-                if o.pass_uses > 0:
-                    t = live_forward(o)  # See Note [Live forward tensors].
-                    if t is None:
-                        needed = True
-                    else:
-                        o.cache = t
-                        o.live = True
-        if needed:
-            for i in node.inputs:
-                if i.reason is None:
-                    i.pass_uses += 1
-                    if bound and i not in last:
-                        last[i] = node.index
-    if bound:
-        plan_bound(region, last)
-    if state.segment_limit == 0 and not state.undecided:
-        _mark_transient(region)
+    g, handles, _ = pass_graph(region)
+    kept = [h.reason is not None for h in handles]
+    uses = [0 if k else h.saved_refs for h, k in zip(handles, kept, strict=True)]
+    cached = [False] * len(handles)
+    live = [False] * len(handles)
+
+    def taken(v: int) -> bool:  # See Note [Live forward tensors].
+        h = handles[v]
+        t = live_forward(h)
+        if t is None:
+            return False
+        h.cache = t
+        h.live = live[v] = cached[v] = True
+        return True
+
+    runs = count_uses(g, kept, uses, taken=taken)
+    core = state.core = Pass(
+        g,
+        kept,
+        uses,
+        cached,
+        executor,
+        live=live,
+        transient_min_bytes=TRANSIENT_MIN_BYTES,
+        bound_min_bytes=cache_bound.BOUND_MIN_BYTES,
+    )
+    limit = region.cache_limit
+    bounded = limit != "unbounded"
+    plan = core.start(
+        limit if isinstance(limit, int) else None,
+        bounded,
+        last_readers(g, kept, runs) if bounded else (),
+        [h.saved_refs > 0 for h in handles],
+    )
+    if plan is not None and not plan.feasible:
+        total = core.bound.profile.saved_bytes if core.bound and core.bound.profile else 0
+        warnings.warn(
+            f"ckpt_graph: cache_limit={limit:,} bytes is below the {plan.peak:,} bytes that "
+            f"this region's recomputed values ({total:,} bytes) need with at most "
+            f"two forwards of recompute; caching up to about {plan.peak:,} bytes instead. Keep "
+            "more values (a policy or tag_with_policy), or raise cache_limit to silence this "
+            "warning.",
+            UserWarning,
+            stacklevel=4,
+        )
     if task != -1:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: end_pass(region))
 
@@ -279,83 +382,90 @@ def _changed(h: Handle) -> bool:
 TRANSIENT_MIN_BYTES = 64 * 1024
 
 
-def _mark_transient(region: Region) -> None:
-    """Mark the pass's transient values. See Note [Transient values]."""
-    for node in region.nodes:
-        info = node.info
-        if not info.is_pointwise or info.writes or info.is_random:
-            continue
-        outs = node.outputs
-        if len(outs) != 1:
-            continue
-        h = outs[0]
-        if (
-            h is None
-            or h.reason is not None
-            or h.live
-            or h.pass_uses < 2
-            or h.is_view
-            or h.has_views
-            or h.nbytes < TRANSIENT_MIN_BYTES
-        ):
-            continue
-        nbytes = 0
-        for i in node.inputs:
-            if i.reason is None and not _aliases_kept(region, i):
-                if i.transient or i.is_view or i.pass_uses < 2:
-                    break
-                nbytes += i.nbytes
-        else:
-            if nbytes <= h.nbytes:
-                h.transient = True
-                node.transient = True
-                extra = h.pass_uses - 1
-                for i in node.inputs:
-                    if i.reason is None:
-                        i.pass_uses += extra
-
-
-def _aliases_kept(region: Region, h: Handle) -> bool:
-    """Whether ``h`` is a view of a kept value (through views only): holding it is free."""
-    while h.is_view and h.reason is None:
-        node = region.nodes[h.node_index]
-        if not node.inputs:
-            return False
-        h = node.inputs[0]
-    return h.reason is not None
-
-
-def decide(region: Region, h: Handle) -> None:
-    """Take the automatic bound's decision if realizing ``h`` caches anything; an unbounded
-    pass marks its transient values then. See Note [Bounded recompute cache], rule 1."""
-    if decide_bound(region, h) is False:
-        _mark_transient(region)
-
-
 def end_pass(region: Region) -> None:
     """Free everything the pass left cached and forget its use counts."""
-    state = region._pass
+    state = region.pass_state
     state.task = -2
     state.cached_bytes = 0
-    bounded = state.segment_limit > 0
-    state.segment_limit = 0
-    state.cuts = []
-    state.undecided = False
-    state.profile = None
-    state.segment = []
-    state.active = {}
-    state.need = {}
-    state.checkpoints = set()
-    state.pinned = []
+    core = state.core
+    if core is not None and core.bound is not None:
+        state._last_closed = core.bound.closed_segments
+    state.core = None
     for node in region.nodes:
-        if node.transient:
-            node.transient = False
-        if bounded:
-            node.owed = False
         for o in node.outputs:
             if o is not None:
-                o.pass_uses = 0
                 o.cache = None
                 o.live = False
-                o.transient = False
-                o.waiting_readers = 0
+
+
+# ----------------------------------------------------------------- live uses
+# Note [Releasing kept values]
+# A kept value is needed as long as a saved tensor refers to it, or a saved tensor of a
+# recomputed value whose recomputation would read it. When the region exits, every handle
+# gets ``live_uses`` = its live saved tensors + the op nodes that take it as input and could
+# still have to run (one sweep from the last node back, the pass's ``count_uses``). Kept
+# values with no live use are freed at once. Afterwards, each saved tensor autograd
+# frees (after its backward node ran, or when the graph is dropped) takes one live use of
+# its handle (``pass_graph.free_use``, which the simulator runs too); a recomputed handle
+# that drops to zero makes its producer dead (``PassState.may_run`` false) once all its
+# recomputed outputs are, which takes a use of each of the producer's inputs, and so on; a
+# kept handle that drops to zero is freed. So a
+# kept block input is freed right after the last backward node that could need it, as
+# autograd frees a saved tensor. An op node that is dead and whose kept outputs have no live
+# use either never runs again: its generator state (Note [RNG replay]) is dropped (a CPU
+# state is 5 KiB per random op).
+
+
+def count_live_uses(region: Region) -> None:
+    """Count the live uses at region exit (``PassState.live_uses``, ``may_run``); free
+    unneeded kept values and the generator states of op nodes that never run.
+
+    The sweep is the pass's (``pass_graph.count_uses``, Note [One pass core]), counting
+    kept inputs too. See Note [Releasing kept values].
+    """
+    g, handles, _ = pass_graph(region)
+    state = region.pass_state
+    kept = [h.reason is not None for h in handles]
+    live_uses = [h.saved_refs for h in handles]
+    state.may_run = count_uses(g, kept, live_uses, all_inputs=True)
+    state.live_uses = live_uses
+    for j, node in enumerate(region.nodes):
+        if node.rng is not None and is_dead(g, live_uses, state.may_run, j):
+            node.rng = None
+    for h, n in zip(handles, live_uses, strict=True):
+        if h.reason is not None and n == 0:
+            h.value = None
+
+
+def free_use(region: Region, h: Handle) -> None:
+    """A saved tensor of ``h`` was freed: take one live use (``pass_graph.free_use``). See
+    Note [Releasing kept values]."""
+    g, handles, index = pass_graph(region)
+    state = region.pass_state
+    nodes = region.nodes
+
+    def free_kept(v: int) -> None:
+        handles[v].value = None
+
+    def dead(j: int) -> None:
+        node = nodes[j]
+        if node.rng is not None and is_dead(g, state.live_uses, state.may_run, j):
+            node.rng = None
+
+    _free_use(g, _Kept(handles), state.live_uses, state.may_run, index[h], free_kept, dead)
+
+
+class _Kept(Sequence[bool]):
+    """Per value number, whether the value is kept now (a changed kept value becomes
+    recomputed at a pass's start: Note [Kept values changed after the region])."""
+
+    __slots__ = ("handles",)
+
+    def __init__(self, handles: list[Handle]) -> None:
+        self.handles = handles
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def __getitem__(self, v: int) -> bool:  # type: ignore[override]
+        return self.handles[v].reason is not None

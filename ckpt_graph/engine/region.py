@@ -33,11 +33,10 @@ from ckpt_graph.engine.hooks import pack_hook_for, unpack_hook_for_autograd
 from ckpt_graph.engine.mutation.storage_history import rebase
 from ckpt_graph.engine.offload import Offloader
 from ckpt_graph.engine.outputs import KEPT_ON_HOST as _KEPT_ON_HOST
-from ckpt_graph.engine.passes import PassState
+from ckpt_graph.engine.passes import PassState, count_live_uses, free_use
 from ckpt_graph.engine.policy_stack import PolicyStack
 from ckpt_graph.engine.record import Recorder
 from ckpt_graph.engine.recording_state import RecordingState
-from ckpt_graph.engine.release import count_live_uses, lose_use
 from ckpt_graph.engine.replay import REPLAY_GLOBALS, replay_globals
 from ckpt_graph.engine.saved_log import SavedLog
 
@@ -94,6 +93,9 @@ class Region:
             which recomputation runs under (``None`` before it opened).
         kept_sums: with ``debug``, the checksum of each kept value at region exit (see
             Note [Kept value checks]).
+        pass_state: the state of the current (or last) backward pass, owned by
+            ``engine/passes.py`` (``PassState``: pass number, ops recomputed, cached bytes,
+            the bounded cache's plan); read it, never write it.
 
     Invariants:
         Nothing outside refers to a region except the packed saved tensors autograd holds
@@ -122,7 +124,7 @@ class Region:
         self.module_stack = _modules.ModuleStack()
         self._exits = ExitStack()  # while open: what closing undoes
         self._hook_fns: tuple[Any, Any] | None = None  # while open: refers to the region
-        self._pass = PassState()
+        self.pass_state = PassState()
         self.kept_sums: dict[Handle, tuple[float, float, float]] = {}
         self.forward_globals: tuple[Any, ...] | None = None
         self.tagged: set[Handle] = set()  # values tag_with_policy decided for
@@ -256,7 +258,7 @@ class Region:
             if log.live_packs == 0:
                 self._release()
             else:
-                lose_use(self, h)
+                free_use(self, h)
 
     # ----------------------------------------------------------------- introspection
     @property

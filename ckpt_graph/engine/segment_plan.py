@@ -1,7 +1,7 @@
 """Where a bounded pass closes its segments: cut positions planned from the pass's values.
 
-A pure function of the pass's recomputed storages (no framework objects), shared by the
-engine (``cache_bound``) and the liveness simulator (``planner/liveness_bound.py``), so both
+A pure function of the pass's recomputed storages (no framework objects), used by the
+bounded pass of ``pass_core``, which the engine and the liveness simulator both run, so both
 bound the same pass the same way.
 
 # Note [Planned segment cuts]

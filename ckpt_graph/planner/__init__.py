@@ -10,10 +10,12 @@ adapt a recorded region to them. See Note [Planner layers].
 # Each planner module belongs to one layer and imports only planner modules of its own
 # layer and of the layers it builds on (``tests/test_layers.py`` lists the modules and
 # checks every import, late and TYPE_CHECKING ones included):
-# 1. graph (``sim_graph``): the simulator's graph and result types, plain data.
-# 2. simulator (``liveness``, ``liveness_bound``, ``liveness_transient``): imports only its
-#    graph type; from outside the planner only modules that depend on no torch (directly or
-#    through what they import): the pass rules it shares with the engine (``segment_plan``).
+# 1. graph (``sim_graph``): the simulator's graph and result types, plain data, and its
+#    numbering as the engine's framework-free pass graph (``engine/pass_graph``).
+# 2. simulator (``liveness``): imports only its graph type; from outside the planner only
+#    modules that depend on no torch (directly or through what they import): the pass rules
+#    it shares with the engine (``engine/pass_graph``, ``engine/pass_core``,
+#    ``engine/segment_plan``; Note [One pass core]).
 # 3. records (``records``): the records the planner's modules pass to each other (a
 #    solver's answer, a plan and its report, a region graph as planned, a block's state, an
 #    op's workspace), on graph only, below every solver. A record another module imports is

@@ -1,13 +1,13 @@
 """Liveness simulation of a region's backward: predicted peak memory and recompute cost.
 
-The simulator replays, without running any op, what the engine does in backward for a given
-set of kept op outputs: the order in which autograd unpacks saved tensors, the use counts of
-``passes.py`` (see Note [Use counts and freeing]), the values cached while they still have a
-pending use, transient values (Note [Transient values]), kept values released as autograd
-frees saved tensors (Note [Releasing kept values]), the gradient buffers alive at each step
-and the temporaries of op formulas. It works on a small framework-free graph
-(:class:`SimGraph`) so planners can be tested on synthetic graphs;
-``from_region.from_region`` builds one from a recorded region.
+The simulator runs, without running any op, what the engine does in backward for a given
+set of kept op outputs: the order in which autograd unpacks saved tensors, then the engine's
+own pass rules (``engine/pass_core.py``, Note [One pass core]: use counts, transient values,
+the bounded cache, realize) against a memory accountant instead of the engine's executor,
+kept values freed as autograd frees saved tensors (Note [Releasing kept values]), the
+gradient buffers alive at each step and the temporaries of op formulas. It works on a
+small framework-free graph (:class:`SimGraph`) so planners can be tested on synthetic
+graphs; ``from_region.from_region`` builds one from a recorded region.
 
 # Note [Backward liveness model]
 # 1. Unpack order. Saved tensors are grouped into backward *steps*: the op node whose
@@ -22,12 +22,13 @@ and the temporaries of op formulas. It works on a small framework-free graph
 #    so steps run from the last op back and a step unpacks all its saved tensors, which
 #    stay alive (*held*) until the step ends.
 # 2. Realize. Use counts start at the number of saved tensors per recomputed value; one sweep
-#    from the last op back marks the ops that will run and adds one use per recomputed input,
-#    exactly as ``passes.begin_pass``. A run op allocates all its outputs, caches the ones
-#    with a pending use, drops the others at once, then releases one use of each recomputed
-#    input; a cached value is freed when its use count reaches zero. Every op runs at most
-#    once per pass (except producers of transient values, rule 7), and the recompute cost of
-#    a plan is the summed cost of the runs.
+#    from the last op back marks the ops that will run and adds one use per recomputed input
+#    (``pass_graph.count_uses``, the function ``passes.begin_pass`` calls). A run op
+#    allocates all its outputs, caches the ones with a pending use, drops the others at
+#    once, then takes one use of each recomputed input; a cached value is freed when its
+#    use count reaches zero. Every op runs at most once per pass (except producers of
+#    transient values, rule 7), and the recompute cost of a plan is the summed cost of the
+#    runs.
 # 3. Memory is counted per *storage*: a view shares the storage of its base, so keeping or
 #    caching a view keeps the whole base (in-place results: rule 6). Storages of region
 #    inputs (parameters, the batch) are never counted: they live anyway.
@@ -69,7 +70,7 @@ and the temporaries of op formulas. It works on a small framework-free graph
 # 6. An in-place op returns a new version in the storage of the written value when nothing
 #    used the old version before (the engine then keeps one tensor for both); otherwise the
 #    engine keeps a copy of the old version, and the new version has a storage of its own.
-# 7. Transient values, as ``passes._mark_transient`` marks them after the use counts: a
+# 7. Transient values, marked by ``pass_core.mark_transient`` as in the engine: a
 #    recomputed value of at least ``transient_min_bytes`` made by a ``pointwise`` op, with
 #    two or more pending uses, not a view and without views, whose producer's recomputed
 #    inputs are views of kept values or else not transient, not views, with a use besides
@@ -77,7 +78,7 @@ and the temporaries of op formulas. It works on a small framework-free graph
 #    value's pending uses minus one more uses; the value is dropped as soon as no op waiting
 #    in the current realize needs it (``waiting_readers``), and runs again at its next use;
 #    each use of it releases a use of each input.
-# 8. Bounded cache, as ``realize`` bounds it (Note [Bounded recompute cache]): with
+# 8. Bounded cache, by the engine's ``pass_core.Bound`` (Note [Bounded recompute cache]): with
 #    ``SimGraph.cache_limit`` not ``"unbounded"``, the cuts are planned from the same use
 #    counts (``segment_plan``, Note [Planned segment cuts]); an automatic bound is decided at
 #    the first realize, in the modelled unpack order, that would cache anything (transient
@@ -109,8 +110,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ckpt_graph.planner.liveness_bound import Bound
-from ckpt_graph.planner.liveness_transient import mark_transient
+from ckpt_graph.engine.pass_core import Pass
+from ckpt_graph.engine.pass_graph import count_uses, free_use, is_dead, last_readers
 from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimResult, SimValue
 
 __all__ = [
@@ -118,6 +119,7 @@ __all__ = [
     "SimOp",
     "SimResult",
     "SimValue",
+    "count_uses",
     "simulate",
 ]
 
@@ -134,266 +136,187 @@ def simulate(g: SimGraph, kept_ops: Iterable[int]) -> SimResult:
         >>> r.peak_bytes, r.recompute_cost, simulate(g, [0]).kept_bytes
         (32, 5, 32)
     """
-    values, ops = g.values, g.ops
-    nv, n = len(values), len(ops)
-    kept = [v.producer < 0 for v in values]
-    for v in g.fixed:
-        kept[v] = True
-    for o in kept_ops:
-        for v in ops[o].outputs:
-            kept[v] = True
-    storage = [v.storage for v in values]
-    size = [values[s].nbytes if values[s].producer >= 0 else 0 for s in storage]
-    refs: dict[int, int] = {}  # per storage, the values holding it (rule 3)
-    cached = [False] * nv
-    level = 0
+    return _Simulation(g, kept_ops).run()
 
-    def acquire(v: int) -> None:
-        nonlocal level
-        if size[v]:
-            s = storage[v]
-            k = refs.get(s, 0)
-            refs[s] = k + 1
+
+class _Accountant:
+    """The simulator's executor (``pass_core.Executor``): memory by storage (rule 3),
+    gradients, workspaces and generator states (rules 4 and 9), and the recompute cost.
+
+    Attributes:
+        level: bytes of the storages of live kept, cached and held values.
+        step: the backward step running (op index), -1 before the first.
+        rng_level: bytes of the generator states random ops hold (rule 9).
+    """
+
+    def __init__(self, g: SimGraph, kept: list[bool]) -> None:
+        values = g.values
+        self.g = g
+        self.storage = [v.storage for v in values]
+        self.size = [values[s].nbytes if values[s].producer >= 0 else 0 for s in self.storage]
+        self.refs: dict[int, int] = {}  # per storage, the values holding it
+        self.level = 0
+        self.peak = self.peak_total = self.cost = self.count = 0
+        self.peak_step = self.step = -1
+        self.rng_level = 0
+        # a random op run again swaps in its state: the generator's own is copied meanwhile
+        self.swap = [g.rng_bytes[op.rng] if op.rng >= 0 else 0 for op in g.ops]
+
+    def hold_storage(self, v: int) -> None:
+        if self.size[v]:
+            s = self.storage[v]
+            k = self.refs.get(s, 0)
+            self.refs[s] = k + 1
             if k == 0:
-                level += size[v]
+                self.level += self.size[v]
 
-    def release(v: int) -> None:
-        nonlocal level
-        if size[v]:
-            s = storage[v]
-            k = refs[s] - 1
-            refs[s] = k
+    def free_storage(self, v: int) -> None:
+        if self.size[v]:
+            s = self.storage[v]
+            k = self.refs[s] - 1
+            self.refs[s] = k
             if k == 0:
-                level -= size[v]
+                self.level -= self.size[v]
 
-    pass_uses = [0] * nv  # use counts of recomputed values (rule 2): Handle.pass_uses
-    live_uses = [0] * nv  # live uses of every value (rule 5): Handle.live_uses
-    by_step: dict[int, list[int]] = {}
-    for j, v in g.saved:
-        by_step.setdefault(j, []).append(v)
-        live_uses[v] += 1
-        if not kept[v]:
-            pass_uses[v] += 1
-    may_run = [False] * n  # ops that run in the pass (rule 2), then alive (rule 5)
-    last = [-1] * nv  # last op that will run and reads the value (rule 8)
-    for j in range(n - 1, -1, -1):
-        op = ops[j]
-        if any(not kept[o] and pass_uses[o] > 0 for o in op.outputs):
-            may_run[j] = True
-            for i in op.inputs:
-                live_uses[i] += 1
-                if not kept[i]:
-                    pass_uses[i] += 1
-                    if last[i] < 0:
-                        last[i] = j
-    bound = (
-        Bound(g, kept, pass_uses, last, cached, release) if g.cache_limit != "unbounded" else None
-    )
-    if bound is not None and bound.limit == 0 and not bound.undecided:
-        bound = None
-    transient = mark_transient(g, kept, pass_uses) if bound is None else [False] * nv
-    rng_refs = [0] * len(g.rng_bytes)  # rule 9: ops holding each generator state
-    holds = [False] * n
-    for j in range(n):
-        if ops[j].rng >= 0 and (may_run[j] or any(live_uses[o] > 0 for o in ops[j].outputs)):
-            holds[j] = True
-            rng_refs[ops[j].rng] += 1
-    rng_level = sum(b for b, k in zip(g.rng_bytes, rng_refs, strict=True) if k)
-    # a random op run again swaps in its state: the generator's own is copied meanwhile
-    swap = [g.rng_bytes[op.rng] if op.rng >= 0 else 0 for op in ops]
-    waiting_readers = [0] * nv  # rule 7: Handle.waiting_readers
-    ran = [False] * n
-    runs = [0] * n
-    peak = peak_total = cost = count = 0
-    peak_step = step = -1
-    grads, grads_in = g.step_grad_bytes, g.step_grad_in_bytes
-
-    for v in range(nv):
-        if kept[v] and live_uses[v] > 0:
-            acquire(v)
-    kept_bytes = level
-
-    def drop(v: int) -> None:
-        cached[v] = False
-        release(v)
-
-    def use(v: int) -> None:
-        pass_uses[v] -= 1
-        if transient[v]:  # rule 7: a use of a transient value is a use of its inputs
-            for i in ops[values[v].producer].inputs:
-                if not kept[i]:
-                    use(i)
-            if waiting_readers[v] > 0 and pass_uses[v] > 0:
-                return
-        elif pass_uses[v] > 0:
-            return
-        if cached[v]:
-            drop(v)
-
-    def check(extra: int, formula: bool = False) -> None:
-        nonlocal peak, peak_total, peak_step
-        peak = max(peak, level)
+    def check(self, extra: int, formula: bool = False) -> None:
+        """Record the peaks now, with ``extra`` bytes of workspace."""
+        self.peak = max(self.peak, self.level)
+        g, step = self.g, self.step
         # while recomputing for the step's unpacks, its own gradients are not made yet
-        grad = grads.get(step, 0) if formula else grads_in.get(step, grads.get(step, 0))
-        total = level + rng_level + grad + extra
-        if total > peak_total:
-            peak_total, peak_step = total, step
+        grads = g.step_grad_bytes
+        grad = grads.get(step, 0) if formula else g.step_grad_in_bytes.get(step, grads.get(step, 0))
+        total = self.level + self.rng_level + grad + extra
+        if total > self.peak_total:
+            self.peak_total, self.peak_step = total, step
 
-    def run(j: int) -> None:
-        nonlocal cost, count
-        ran[j] = True
-        runs[j] += 1
-        op = ops[j]
-        cost += op.cost
-        count += 1
+    # the executor
+    def run(self, j: int) -> None:
+        op = self.g.ops[j]
+        self.cost += op.cost
+        self.count += 1
         for o in op.outputs:
-            acquire(o)
-        check(op.run_workspace + swap[j])
-        for o in op.outputs:
-            if not kept[o] and pass_uses[o] > 0:
-                cached[o] = True
-            else:
-                release(o)
-        if transient[op.outputs[0]] if op.outputs else False:
-            return  # its inputs are released with its value's uses
-        for i in op.inputs:
-            if not kept[i]:
-                use(i)
+            self.hold_storage(o)
+        self.check(op.run_workspace + self.swap[j])
 
-    def unpin(j: int) -> None:
-        for i in ops[j].inputs:
-            if transient[i]:
-                waiting_readers[i] -= 1
-                if waiting_readers[i] == 0 and cached[i]:
-                    drop(i)
+    def hold(self, o: int) -> None:
+        pass  # counted by ``run``
 
-    def run_bounded(j: int) -> None:  # rule 8, as realize.run_node in a bounded pass
-        nonlocal cost, count
-        assert bound is not None
-        op = ops[j]
-        cost += op.cost
-        count += 1
-        runs[j] += 1
-        bound.owed[j] = False
-        for o in op.outputs:
-            acquire(o)
-        check(op.run_workspace + swap[j])
-        fresh = []
-        for o in op.outputs:
-            if not kept[o] and pass_uses[o] > 0 and not cached[o]:
-                cached[o] = True
-                fresh.append(o)
-            else:
-                release(o)
-        for o in fresh:
-            if o in bound.need:
-                bound.active[o] = None
-            else:
-                bound.join(o)
-        for i in op.inputs:
-            if kept[i]:
-                continue
-            use(i)
-            left = bound.need[i] - 1
-            if left > 0:
-                bound.need[i] = left
-                continue
-            del bound.need[i]
-            if i in bound.active:
-                del bound.active[i]
-                if cached[i] and i not in bound.checkpoints:
-                    bound.join(i)
+    def discard(self, o: int) -> None:
+        self.free_storage(o)
 
-    def realize_bounded(v: int) -> None:
-        assert bound is not None
-        order = bound.plan_realize(v)
-        for k, j in enumerate(order):
-            run_bounded(j)
-            # the last segment stays cached
-            if bound.closing and k + 1 < len(order) and bound.closes_between(j, order[k + 1]):
-                bound.close()
-        bound.unpin()
-        bound.need, bound.active = {}, {}
+    def done(self, j: int) -> None:
+        pass
 
-    def realize(v: int) -> None:
-        nonlocal bound
-        if bound is not None and bound.undecided:  # rule 8: the first realize that caches
-            decided = bound.decide(v)
-            if decided is False:
-                bound = None
-                transient[:] = mark_transient(g, kept, pass_uses)
-        if bound is not None and bound.limit > 0:
-            realize_bounded(v)
-            return
-        stack = [(values[v].producer, False)]
-        while stack:
-            j, expanded = stack.pop()
-            outs = ops[j].outputs
-            if outs and transient[outs[0]]:
-                if cached[outs[0]]:
+    def free(self, v: int) -> None:
+        self.free_storage(v)
+
+
+class _Simulation:
+    """One simulated backward pass: the engine's pass rules (``pass_core.Pass``) run
+    against a memory accountant, in the modelled unpack order (rule 1), with kept values
+    and generator states freed as autograd frees saved tensors (rules 5 and 9)."""
+
+    def __init__(self, g: SimGraph, kept_ops: Iterable[int]) -> None:
+        values, ops = g.values, g.ops
+        pg = g.pass_graph
+        kept = [v.producer < 0 for v in values]
+        for v in g.fixed:
+            kept[v] = True
+        for o in kept_ops:
+            for v in ops[o].outputs:
+                kept[v] = True
+        self.g, self.kept = g, kept
+        saves = [0] * len(values)
+        self.by_step: dict[int, list[int]] = {}
+        for j, v in g.saved:
+            self.by_step.setdefault(j, []).append(v)
+            saves[v] += 1
+        # live uses of every value (rule 5); a recomputed value's pass uses are the same
+        live_uses = list(saves)
+        self.may_run = count_uses(pg, kept, live_uses, all_inputs=True)  # then alive
+        self.live_uses = live_uses
+        uses = [0 if kept[v] else live_uses[v] for v in range(len(values))]
+        self.acc = acc = _Accountant(g, kept)
+        self.core = core = Pass(
+            pg,
+            kept,
+            uses,
+            [False] * len(values),
+            acc,
+            transient_min_bytes=g.transient_min_bytes,
+            bound_min_bytes=g.bound_min_bytes,
+        )
+        limit = g.cache_limit
+        core.start(
+            None if limit == "unbounded" else limit,  # type: ignore[arg-type]
+            limit != "unbounded",
+            last_readers(pg, kept, self.may_run),
+            [k > 0 for k in saves],
+        )
+        self.rng_refs = [0] * len(g.rng_bytes)  # rule 9: ops holding each generator state
+        self.holds = [False] * len(ops)
+        for j, op in enumerate(ops):
+            if op.rng >= 0 and (self.may_run[j] or any(live_uses[o] > 0 for o in op.outputs)):
+                self.holds[j] = True
+                self.rng_refs[op.rng] += 1
+        acc.rng_level = sum(b for b, k in zip(g.rng_bytes, self.rng_refs, strict=True) if k)
+        for v in range(len(values)):
+            if kept[v] and live_uses[v] > 0:
+                acc.hold_storage(v)
+        self.kept_bytes = acc.level
+
+    def run(self) -> SimResult:
+        """Run the backward steps from the last op back (rule 1)."""
+        g, kept, core, acc = self.g, self.kept, self.core, self.acc
+        cached = core.cached
+        for step in range(len(g.ops) - 1, -1, -1):
+            acc.step = step
+            saves = self.by_step.get(step, ())
+            held: list[int] = []
+            for v in reversed(saves):
+                if kept[v]:
                     continue
-            elif ran[j]:
-                if expanded:
-                    unpin(j)
-                continue
-            if expanded:
-                run(j)
-                unpin(j)
-                continue
-            stack.append((j, True))
-            for i in ops[j].inputs:
-                if not kept[i]:
-                    if transient[i]:
-                        waiting_readers[i] += 1
-                    if not cached[i]:
-                        stack.append((values[i].producer, False))
+                if not cached[v]:
+                    core.realize(v)
+                acc.hold_storage(v)
+                held.append(v)
+                core.use(v)
+            acc.check(g.ops[step].workspace, formula=True)
+            for v in held:
+                acc.free_storage(v)
+            for v in saves:
+                self._free_use(v)
+        peak, peak_total = acc.peak, acc.peak_total
+        if not g.saved:
+            peak, peak_total = self.kept_bytes, self.kept_bytes + acc.rng_level
+        return SimResult(
+            peak,
+            peak_total,
+            self.kept_bytes,
+            acc.cost,
+            acc.count,
+            acc.peak_step,
+            tuple(core.runs),
+        )
 
-    def drop_rng(j: int) -> None:  # rule 9, as release._drop_rng_if_dead
-        nonlocal rng_level
-        if holds[j] and not may_run[j] and not any(live_uses[o] > 0 for o in ops[j].outputs):
-            holds[j] = False
-            r = ops[j].rng
-            rng_refs[r] -= 1
-            if rng_refs[r] == 0:
-                rng_level -= g.rng_bytes[r]
+    def _free_rng(self, j: int) -> None:
+        """Rule 9, as ``passes.free_use`` frees a dead op node's generator state."""
+        op = self.g.ops[j]
+        if self.holds[j] and is_dead(self.g.pass_graph, self.live_uses, self.may_run, j):
+            self.holds[j] = False
+            self.rng_refs[op.rng] -= 1
+            if self.rng_refs[op.rng] == 0:
+                self.acc.rng_level -= self.g.rng_bytes[op.rng]
 
-    def lose(v: int) -> None:  # rule 5, as release.lose_use
-        stack = [v]
-        while stack:
-            v = stack.pop()
-            live_uses[v] -= 1
-            if live_uses[v] != 0:
-                continue
-            p = values[v].producer
-            if kept[v]:
-                release(v)
-                if p >= 0:
-                    drop_rng(p)
-                continue
-            if p < 0 or not may_run[p]:
-                continue
-            if any(not kept[o] and live_uses[o] > 0 for o in ops[p].outputs):
-                continue
-            may_run[p] = False
-            drop_rng(p)
-            stack.extend(ops[p].inputs)
-
-    for step in range(n - 1, -1, -1):
-        saves = by_step.get(step, ())
-        held: list[int] = []
-        for v in reversed(saves):
-            if kept[v]:
-                continue
-            if not cached[v]:
-                realize(v)
-            acquire(v)
-            held.append(v)
-            use(v)
-        check(ops[step].workspace, formula=True)
-        for v in held:
-            release(v)
-        for v in saves:
-            lose(v)
-    if not g.saved:
-        peak, peak_total = kept_bytes, kept_bytes + rng_level
-    return SimResult(peak, peak_total, kept_bytes, cost, count, peak_step, tuple(runs))
+    def _free_use(self, v: int) -> None:
+        """A saved tensor of ``v`` was freed (rule 5, ``pass_graph.free_use`` as the engine's
+        ``passes.free_use``)."""
+        free_use(
+            self.g.pass_graph,
+            self.kept,
+            self.live_uses,
+            self.may_run,
+            v,
+            self.acc.free_storage,
+            self._free_rng,
+        )

@@ -10,7 +10,7 @@ import heapq
 import itertools
 from collections.abc import Iterable, Sequence
 
-from ckpt_graph.planner.liveness import SimGraph, SimResult, simulate
+from ckpt_graph.planner.liveness import SimGraph, SimResult, count_uses, simulate
 
 __all__ = ["EXCHANGE", "SIM_GUIDED", "Refinement", "Search"]
 
@@ -27,21 +27,12 @@ EXCHANGE = 64
 
 def _run_cost(g: SimGraph, kept: Sequence[bool]) -> int:
     """Recompute cost of a plan given per-value kept flags (the simulator's run sweep)."""
-    pass_uses = [0] * len(g.values)
+    uses = [0] * len(g.values)
     for _, v in g.saved:
         if not kept[v]:
-            pass_uses[v] += 1
-    cost = 0
-    for j in range(len(g.ops) - 1, -1, -1):
-        op = g.ops[j]
-        for o in op.outputs:
-            if not kept[o] and pass_uses[o] > 0:
-                cost += op.cost
-                for i in op.inputs:
-                    if not kept[i]:
-                        pass_uses[i] += 1
-                break
-    return cost
+            uses[v] += 1
+    runs = count_uses(g.pass_graph, kept, uses)
+    return sum(op.cost for op, ran in zip(g.ops, runs, strict=True) if ran)
 
 
 def _flags(g: SimGraph, kept_ops: Iterable[int]) -> list[bool]:

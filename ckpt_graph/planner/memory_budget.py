@@ -613,4 +613,4 @@ def _done(region: Region | None) -> bool:
     """Whether a region of the current step is finished (backward ran, or released)."""
     if region is None:
         return True
-    return region._pass.number > 0 or region.released
+    return region.pass_state.number > 0 or region.released

@@ -48,7 +48,7 @@ import bisect
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-from ckpt_graph.planner.liveness import SimGraph, simulate
+from ckpt_graph.planner.liveness import SimGraph, count_uses, simulate
 from ckpt_graph.planner.records import Solution
 
 __all__ = [
@@ -69,15 +69,11 @@ _TILT = 0.1
 
 def _needed(g: SimGraph) -> list[bool]:
     """Values backward may need: saved, or inputs of ops producing needed values."""
-    needed = [False] * len(g.values)
+    uses = [0] * len(g.values)
     for _, v in g.saved:
-        needed[v] = True
-    for j in range(len(g.ops) - 1, -1, -1):
-        op = g.ops[j]
-        if any(needed[o] for o in op.outputs):
-            for i in op.inputs:
-                needed[i] = True
-    return needed
+        uses[v] += 1
+    count_uses(g.pass_graph, [False] * len(g.values), uses, all_inputs=True)
+    return [u > 0 for u in uses]
 
 
 def candidate_ops(g: SimGraph, ops: Iterable[int] | None = None) -> list[int]:

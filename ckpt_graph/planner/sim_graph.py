@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
+
+from ckpt_graph.engine.pass_graph import PassGraph
 
 __all__ = ["SimGraph", "SimOp", "SimResult", "SimValue"]
 
@@ -102,6 +105,27 @@ class SimGraph:
     rng_bytes: tuple[int, ...] = ()
     step_grad_in_bytes: Mapping[int, int] = field(default_factory=dict)
     bound_min_bytes: int = 0
+
+    @cached_property
+    def pass_graph(self) -> PassGraph:
+        """The graph as the pass rules see it (``engine.pass_core``), built once."""
+        values, ops = self.values, self.ops
+        view = tuple(
+            v.storage != k if v.is_view is None else v.is_view for k, v in enumerate(values)
+        )
+        has_views = [False] * len(values)
+        for k, v in enumerate(values):
+            if view[k]:
+                has_views[v.storage] = True
+        return PassGraph(
+            inputs=tuple(op.inputs for op in ops),
+            outputs=tuple(op.outputs for op in ops),
+            producer=tuple(v.producer for v in values),
+            nbytes=tuple(v.nbytes for v in values),
+            view=view,
+            has_views=tuple(has_views),
+            transient_ok=tuple(op.pointwise and len(op.outputs) == 1 for op in ops),
+        )
 
     def saved_bytes(self) -> int:
         """Activation bytes kept without checkpointing: distinct op-made saved storages."""

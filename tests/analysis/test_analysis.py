@@ -98,7 +98,7 @@ def test_realized_counts_over_backward_passes() -> None:
     assert all(r.realized == 0 for r in region.graph)
     _backward(y, retain_graph=True)
     once = [r.realized for r in region.graph]
-    assert sum(once) == region._pass.recomputed_ops > 0
+    assert sum(once) == region.pass_state.recomputed_ops > 0
     _backward(y)
     assert [r.realized for r in region.graph] == [2 * n for n in once]
 
@@ -213,12 +213,12 @@ def test_summary_after_backward_matches_engine(name: str, policy: str) -> None:
     before = region.summary()
     _backward(y)
     s = region.summary()
-    assert s.recomputed_ops_last_pass == region._pass.recomputed_ops
+    assert s.recomputed_ops_last_pass == region.pass_state.recomputed_ops
     assert s.recomputed_ops_total == sum(n.realized for n in region.nodes)
-    assert s.peak_cached_bytes == region._pass.peak_cached_bytes
+    assert s.peak_cached_bytes == region.pass_state.peak_cached_bytes
     # A full backward unpacks every saved tensor: it runs exactly the recompute chain, some
     # cheap pointwise ops more than once (see Note [Transient values]).
-    ran = [n for n in region.nodes if n.pass_id == region._pass.number]
+    ran = [n for n in region.nodes if n.pass_id == region.pass_state.number]
     assert len(ran) == before.recompute_ops
     repeated = [n for n in ran if n.realized > 1]
     assert s.recomputed_ops_last_pass == len(ran) + sum(n.realized - 1 for n in repeated)

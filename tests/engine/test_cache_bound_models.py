@@ -117,8 +117,8 @@ def _check_one_region(model: nn.Module, loss: Callable[[], torch.Tensor], per_bl
     torch_peak = _peak(per_block)
     ours_peak = _peak(ours)
     region = box[-1]
-    assert region._pass.closed_segments > 0, "the automatic bound did not turn on"
-    assert region._pass.recomputed_ops <= 2 * len(region.nodes)
+    assert region.pass_state.closed_segments > 0, "the automatic bound did not turn on"
+    assert region.pass_state.recomputed_ops <= 2 * len(region.nodes)
     assert ours_peak <= torch_peak, (ours_peak / 2**20, torch_peak / 2**20)
 
 

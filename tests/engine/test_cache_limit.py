@@ -124,7 +124,7 @@ def test_zoo_gradients_bitwise_under_one_bounded_region(
         torch.testing.assert_close(b, a, rtol=0, atol=0)
     assert torch.equal(ref_rng, got_rng), "recompute advanced the user's RNG stream"
     if segments == "tiny" or name != "cnn":  # the CNN's blocks are too few ops to bound
-        assert region._pass.closed_segments > 0
+        assert region.pass_state.closed_segments > 0
         again = [n for n in region.nodes if n.realized >= 2]
         assert again, "no op ran twice: nothing was dropped from the cache"
         if dropout:
@@ -139,7 +139,7 @@ def test_test_zoo_models_bitwise_with_every_value_dropped(name: str) -> None:
     # BatchNorm (running stats applied once), dropout (RNG replayed at each run), SDPA.
     model, x = make_model(name)
     _, got = check(model, [x])
-    assert got.region._pass.closed_segments > 0
+    assert got.region.pass_state.closed_segments > 0
     assert any(n.realized >= 2 for n in got.region.nodes)
 
 
@@ -161,7 +161,7 @@ def _views_and_inplace(x: torch.Tensor, inplace_view: bool = False) -> torch.Ten
 def test_views_inplace_chains_and_dropout_stay_exact_when_run_again() -> None:
     _, got = check(_views_and_inplace, [leaf(6, 6)])
     region = got.region
-    assert region._pass.closed_segments > 0
+    assert region.pass_state.closed_segments > 0
     assert any(n.info.is_random and n.realized >= 2 for n in region.nodes)
     assert any(n.info.is_inplace and n.realized >= 2 for n in region.nodes)
 
@@ -219,7 +219,7 @@ def test_nothing_alive_after_a_bounded_backward() -> None:
             out = (h * x).sum()
         out.backward()
         del out, h
-        assert region._pass.closed_segments > 0
+        assert region.pass_state.closed_segments > 0
         assert not [r for r in refs if r() is not None], "region values alive after backward"
         assert not [r for r in LIVE_OUTPUTS if r() is not None], "recomputed values alive"
 
@@ -270,8 +270,8 @@ def test_one_recompute_all_region_peaks_no_higher_than_torch_per_block(name: str
     region = box[-1]
     assert ours <= torch_peak, (ours, torch_peak)
     # At most two forwards of recompute, with no hand placement.
-    assert region._pass.closed_segments > 0
-    assert region._pass.recomputed_ops <= 2 * len(region.nodes)
+    assert region.pass_state.closed_segments > 0
+    assert region.pass_state.recomputed_ops <= 2 * len(region.nodes)
     unbounded = _peak(_one_region(w, box, cache_limit="unbounded"))
     assert ours < 0.8 * unbounded, (ours, unbounded)
 
@@ -281,13 +281,13 @@ def test_explicit_cache_limit_trades_memory_for_recompute_and_warns_when_infeasi
     box: list[cg.Region] = []
     auto = _peak(_one_region(w, box))
     large = _peak(_one_region(w, box, cache_limit="6MiB"))
-    assert box[-1]._pass.recomputed_ops <= 2 * len(box[-1].nodes)
+    assert box[-1].pass_state.recomputed_ops <= 2 * len(box[-1].nodes)
     unbounded = _peak(_one_region(w, box, cache_limit="unbounded"))
     assert auto < large < unbounded
     with pytest.warns(UserWarning, match=r"cache_limit=1,024 bytes is below the [\d,]+ bytes"):
         small = _peak(_one_region(w, box, cache_limit=1024))
     assert small <= auto
-    assert box[-1]._pass.recomputed_ops <= 2 * len(box[-1].nodes)
+    assert box[-1].pass_state.recomputed_ops <= 2 * len(box[-1].nodes)
 
 
 # ----------------------------------------------------------------------------- simulator
@@ -295,9 +295,9 @@ def test_explicit_cache_limit_trades_memory_for_recompute_and_warns_when_infeasi
 def test_simulator_predicts_the_bounded_peak_and_recompute(name: str) -> None:
     w = build_workload(name, layers=8, width=64, batch=2 if name == "gpt" else 128, seq_len=32)
     region, measured, g = run_region(w.model, w.inputs, "recompute_all", w.loss)
-    assert region._pass.closed_segments > 0
+    assert region.pass_state.closed_segments > 0
     result = simulate(g, kept_ops_of(region))
-    assert result.recomputed_ops == region._pass.recomputed_ops
+    assert result.recomputed_ops == region.pass_state.recomputed_ops
     assert abs(result.peak_total_bytes - measured) <= 0.10 * measured, (
         result.peak_total_bytes,
         measured,

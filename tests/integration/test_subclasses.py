@@ -40,7 +40,7 @@ def test_wrapper_subclass_two_tensor(policy: str) -> None:
         region = _run(lambda: ((x @ w).sin() * 2).exp().sum(), p)  # noqa: B023
         grads.append((x.grad, w.grad))
         if p == "recompute_all":
-            assert region._pass.recomputed_ops > 0
+            assert region.pass_state.recomputed_ops > 0
     (gx, gw), (x_grad, w_grad) = grads
     assert type(x_grad).__name__ == "TwoTensor"
     torch.testing.assert_close(x_grad.a, gx.a, rtol=0, atol=0)
@@ -77,6 +77,6 @@ def test_dtensor(mesh: Any, policy: str) -> None:
         region = _run(lambda: F.gelu(F.linear(x, w)).sin().sum(), p)  # noqa: B023
         grads.append((x.grad.full_tensor(), w.grad.full_tensor()))
         if p == "recompute_all":
-            assert region._pass.recomputed_ops > 0
+            assert region.pass_state.recomputed_ops > 0
     for a, b in zip(grads[0], grads[1], strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0)

@@ -178,7 +178,7 @@ def test_later_steps_apply_the_plan_and_match_its_prediction() -> None:
         assert [n for n in names if n != "aten.detach.default"] == [k.op for k in report.kept]
         predicted = simulate(from_region(region), kept)
         assert predicted.peak_bytes == report.predicted_peak_bytes
-        assert region._pass.recomputed_ops == predicted.recomputed_ops
+        assert region.pass_state.recomputed_ops == predicted.recomputed_ops
         detach = sum(n.info.name == "aten.detach.default" for n in region.nodes)
         assert report.recomputed_ops <= predicted.recomputed_ops <= report.recomputed_ops + detach
     assert policy.report() is not None and policy.report().reuses == 2  # type: ignore[union-attr]

@@ -250,7 +250,7 @@ def test_simulator_counts_the_ops_the_engine_recomputes(name: str, policy: Any) 
         warnings.simplefilter("ignore")
         region = run_region(model, (x,), resolve(policy), steps=2 if policy == "budget" else 1)[0]
     r = simulate(from_region(region), kept_ops_of(region))
-    assert r.recomputed_ops == region._pass.recomputed_ops
+    assert r.recomputed_ops == region.pass_state.recomputed_ops
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=str)
@@ -284,7 +284,7 @@ def test_transient_values_of_one_save_matmuls_region_over_a_gpt() -> None:
     model, x = GPT(64, 64, 2, 2, 64).train(), torch.randint(0, 64, (4, 64))
     region, measured, g = run_region(model, (x,), cg.policies.save_matmuls())
     r = simulate(g, kept_ops_of(region))
-    assert r.recomputed_ops == region._pass.recomputed_ops
+    assert r.recomputed_ops == region.pass_state.recomputed_ops
     assert any(n.realized > 1 for n in region.nodes)  # some values ran once per use
     assert abs(r.peak_total_bytes - measured) <= 0.10 * measured, (r.peak_total_bytes, measured)
     cached = [dataclasses.replace(op, pointwise=False) for op in g.ops]

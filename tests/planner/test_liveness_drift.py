@@ -1,10 +1,12 @@
 """The liveness simulator against the engine's real backward (issue 16, item 5).
 
-``planner/liveness.py`` mirrors ``engine/realize.py``'s backward without running ops. These
-tests record real passes over the embedded workloads, under several policies (a
-``memory_budget`` plan included), cache limits and backward modes, and compare what the
-simulator predicts with what the pass did: how often each op node ran, and the peak memory
-measured. A change to one side that the other does not follow fails here.
+``planner/liveness.py`` runs the engine's pass code (``engine/pass_core.py``) against a
+memory accountant instead of running ops, in the unpack order it models. These tests record
+real passes over the embedded workloads, under several policies (a ``memory_budget`` plan
+included), cache limits and backward modes, and compare what the simulator predicts with
+what the pass did: how often each op node ran, and the peak memory measured. What the two
+sides do not share (the unpack order, the engine's hooks, the memory model) fails here
+when it drifts.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def test_simulated_pass_matches_the_real_one(name: str, policy: str, cache_limit
     sim = simulate(run.graph, kept_ops_of(region))
     assert len(sim.runs) == len(region.nodes)
     assert list(sim.runs) == _runs(region)  # the same ops ran, as often
-    assert sim.recomputed_ops == region._pass.recomputed_ops
+    assert sim.recomputed_ops == region.pass_state.recomputed_ops
     # within 0.6% on every case when written (mlp: 128 bytes above the measured peak)
     assert abs(predicted_peak(run) - run.measured) <= 0.01 * run.measured, (
         predicted_peak(run),

@@ -1,0 +1,110 @@
+"""Predicted (liveness simulator) vs measured backward peak, on the project's models and the zoo.
+
+For each case one region covers the model's forward; the step is measured as the liveness
+tests measure it (``run_region`` of ``tests/planner/test_liveness.py``, imported so that the
+benchmark and the tests share one definition of "measured": kept bytes at backward start
+plus the highest rise of allocated bytes in backward, the second of two steps), and the
+simulator predicts ``peak_total_bytes`` for the region's kept values. The project's models
+(gpt with dropout, mlp, cnn) run at three policies and two cache limits; the third-party
+zoo (``compare.third_party``, plus transformers' GPT-2 and Llama) at the tiny sizes of
+``tests/compare/test_zoo_third_party.py``, under ``recompute_all`` and a budget plan, with
+the automatic cache bound. Zoo models whose library is missing are skipped.
+
+Usage:
+    python benchmarks/bench_sim_error.py    # markdown table on stdout
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "planner"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import ckpt_graph as cg  # noqa: E402
+from ckpt_graph.compare.third_party import SPECS  # noqa: E402
+from ckpt_graph.compare.zoo import build_workload  # noqa: E402
+from ckpt_graph.planner.memory_budget import memory_budget  # noqa: E402
+
+TINY: dict[str, dict[str, int]] = {
+    "hf-gpt2": dict(layers=2, width=32, batch=2, seq_len=8),
+    "hf-llama": dict(layers=2, width=32, batch=2, seq_len=8),
+    "hf-bert": dict(layers=2, width=32, batch=2, seq_len=8),
+    "hf-t5": dict(layers=2, width=32, batch=2, seq_len=8),
+    "hf-mixtral": dict(layers=2, width=32, batch=2, seq_len=8),
+    "hf-vit": dict(layers=2, width=32, batch=2, seq_len=16),
+    "hf-swin": dict(layers=2, width=16, batch=1, seq_len=64),
+    "hf-convnext": dict(layers=2, width=8, batch=2, seq_len=32),
+    "hf-mobilenetv2": dict(layers=16, width=8, batch=2, seq_len=32),
+    "hf-efficientnet": dict(layers=10, width=8, batch=2, seq_len=32),
+    "hf-resnet": dict(layers=4, width=8, batch=2, seq_len=32),
+    "diffusers-unet": dict(layers=1, width=8, batch=2, seq_len=16),
+    "torch-loop": dict(layers=2, width=32, batch=2, seq_len=8),
+}
+
+
+def _policy(name: str) -> Any:
+    if name == "save_matmuls":
+        return cg.policies.save_matmuls()
+    if name == "budget":  # a fixed flops_per_byte: the calibrated one follows machine load
+        return memory_budget(0.5, flops_per_byte=0.5)
+    return name
+
+
+def _library(name: str) -> str:
+    return "transformers" if name in ("hf-gpt2", "hf-llama") else SPECS[name].library
+
+
+def main() -> None:
+    from test_liveness import predicted_peak, run_region
+
+    torch.set_num_threads(1)
+    cases: list[tuple[str, dict[str, Any], str, Any]] = []
+    for model in ["gpt", "mlp", "cnn"]:
+        sizes: dict[str, Any] = dict(layers=3, width=32, batch=2, seq_len=16)
+        if model == "gpt":
+            sizes["dropout"] = 0.1
+        for policy in ["recompute_all", "save_matmuls", "budget"]:
+            for limit in [None, "unbounded"]:
+                cases.append((model, sizes, policy, limit))
+    for model, sizes in TINY.items():
+        if importlib.util.find_spec(_library(model)) is None:
+            continue
+        for policy in ["recompute_all", "budget"]:
+            cases.append((model, sizes, policy, None))
+    print("### Predicted vs measured backward peak (`benchmarks/bench_sim_error.py`)\n")
+    print("| model | policy | cache_limit | predicted B | measured B | error |")
+    print("|---|---|---|---:|---:|---:|")
+    own: list[float] = []
+    zoo: list[float] = []
+    for model, sizes, policy, limit in cases:
+        w = build_workload(model, **sizes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run = run_region(w.model, w.inputs, _policy(policy), w.loss, cache_limit=limit)
+        predicted = predicted_peak(run)
+        error = (predicted - run.measured) / run.measured
+        (zoo if model in TINY else own).append(abs(error))
+        print(
+            f"| {model} | {policy} | {limit} | {predicted:,} | {run.measured:,} | "
+            f"{100 * error:+.2f}% |",
+            flush=True,
+        )
+    print()
+    for label, errors in (("project models", own), ("zoo", zoo)):
+        if errors:
+            print(
+                f"- {label}: {len(errors)} cases, |error| max {100 * max(errors):.2f}%, "
+                f"mean {100 * sum(errors) / len(errors):.2f}%"
+            )
+
+
+if __name__ == "__main__":
+    main()
