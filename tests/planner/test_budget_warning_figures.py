@@ -1,0 +1,82 @@
+"""The figures of a byte budget's "no plan found" warning after a measured re-plan.
+
+Found by ``benchmarks/bench_zoo.py``'s models run with ``memory_budget(torch's peak,
+check=True)`` (BENCHMARKS.md, "The third-party zoo"): on transformers' ResNet at torch per
+block's peak (12,747,824 bytes) the re-plan warned "no plan found within 12,747,824 bytes
+... the plan with the lowest simulated peak (6,554,048 bytes) is used, -6,193,776 bytes
+over". After the first planned step measured above the budget, the planner works with the
+budget less the memory measured outside its model (Note [Measured budget check] rule 2),
+but the warning compares the plan's peak with the budget as given: a plan below the figure
+the warning names is said not to fit it, by a negative amount. ``flops_per_byte`` is pinned.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import ckpt_graph as cg
+from ckpt_graph.memory import measure
+from ckpt_graph.planner.memory_budget import MemoryBudget, memory_budget
+
+FPB = 4.0
+
+
+def _mlp() -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(
+        nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)) for _ in range(6)
+    )
+
+
+def _step(blocks: nn.ModuleList, policy: MemoryBudget | None, x: torch.Tensor) -> None:
+    for p in blocks.parameters():
+        p.grad = None
+    h = x
+    if policy is None:
+        for b in blocks:
+            h = b(h)
+    else:
+        with cg.save_recompute_policy(policy):
+            for b in blocks:
+                h = b(h)
+    h.pow(2).mean().backward()
+
+
+_NO_PLAN = re.compile(
+    r"no plan found within ([\d,]+) bytes .* lowest simulated peak \(([\d,]+) bytes\) "
+    r"is used, (-?[\d,]+) bytes over"
+)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="after a measured re-plan the 'no plan found' warning names the budget as given, "
+    "not the corrected figure the planner missed, and reports a negative excess "
+    "(planner/memory_budget.py, MemoryBudget._plan)",
+)
+def test_no_plan_warning_after_a_measured_replan_states_a_positive_excess() -> None:
+    blocks, x = _mlp(), torch.randn(256, 128)
+    plain = measure(_step, blocks, None, x).peak_bytes
+    # Above the lowest simulated peak of the region (about 0.28x of the measured step
+    # without checkpointing: 6 blocks, 128 -> 512 -> 128, batch 256), below it plus the
+    # parameters' gradients the first planned step measures outside the plan's model.
+    budget = int(0.375 * plain)
+    policy = memory_budget(budget, flops_per_byte=FPB, check=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            _step(blocks, policy, x)
+    messages = [str(w.message) for w in caught]
+    no_plan = [m for m in messages if "no plan found" in m]
+    assert no_plan, messages  # the re-plan with the measured correction does not fit
+    for message in no_plan:
+        match = _NO_PLAN.search(message)
+        assert match is not None, message
+        within, peak, over = (int(g.replace(",", "")) for g in match.groups())
+        assert over > 0 and peak > within, message
+        assert peak - within == over, message
