@@ -33,7 +33,7 @@ import ckpt_graph as cg
 from ckpt_graph.compare.architectures import GPT
 from ckpt_graph.engine import realize
 from ckpt_graph.memory import measure
-from ckpt_graph.planner import memory_budget as budget_mod
+from ckpt_graph.planner import budget_planner as budget_mod
 from ckpt_graph.planner.cost_model import calibrated_flops_per_byte, op_cost
 from ckpt_graph.planner.from_region import from_region, kept_ops_of
 from ckpt_graph.planner.liveness import simulate
@@ -176,10 +176,11 @@ def budget_row(model: GPT, x: torch.Tensor, fraction: float) -> dict[str, Any]:
 
     planning: list[float] = []
     costs: dict[int, int] = {}
-    op_costs, plan_step = policy._op_costs, policy._plan_step
+    planner = policy.planner
+    op_costs, plan_step = planner.op_costs, planner.plan_step
 
-    def recorded_costs(run: Any) -> dict[int, int]:
-        out = op_costs(run)
+    def recorded_costs(region: Any, run: Any) -> dict[int, int]:
+        out = op_costs(region, run)
         costs.update(out)  # the per-op costs the policy plans with
         return out
 
@@ -189,8 +190,8 @@ def budget_row(model: GPT, x: torch.Tensor, fraction: float) -> dict[str, Any]:
         planning.append(time.perf_counter() - t)
         return out
 
-    policy._op_costs = recorded_costs  # type: ignore[method-assign]
-    policy._plan_step = timed_plan  # type: ignore[method-assign]
+    planner.op_costs = recorded_costs  # type: ignore[method-assign]
+    planner.plan_step = timed_plan  # type: ignore[method-assign]
     t0 = time.perf_counter()
     with warnings.catch_warnings(), SolveProbe() as solves:
         warnings.simplefilter("ignore")

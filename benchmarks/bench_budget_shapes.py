@@ -28,6 +28,7 @@ import torch
 
 import ckpt_graph as cg
 from ckpt_graph.compare.architectures import GPT
+from ckpt_graph.planner.budget_planner import BudgetPlanner
 from ckpt_graph.planner.memory_budget import MemoryBudget, memory_budget
 
 LAYERS, WIDTH, HEADS, BATCH, VOCAB, MAX_SEQ = 4, 64, 4, 4, 256, 128
@@ -46,15 +47,15 @@ def step(model: GPT, policy: MemoryBudget, seq: int) -> float:
 
 
 PLANS: list[int] = []
-_graph = MemoryBudget._graph
+_graph = BudgetPlanner.graph
 
 
-def _counting_graph(self: MemoryBudget, region: Any, run: Any) -> Any:
+def _counting_graph(self: BudgetPlanner, region: Any, run: Any) -> Any:
     PLANS.append(1)
     return _graph(self, region, run)
 
 
-MemoryBudget._graph = _counting_graph  # type: ignore[method-assign]
+BudgetPlanner.graph = _counting_graph  # type: ignore[method-assign]
 
 
 def run(budget: int | float) -> dict[str, Any]:

@@ -67,8 +67,8 @@ import torch
 
 import ckpt_graph as cg
 from ckpt_graph.compare.zoo import build_workload
+from ckpt_graph.planner.budget_planner import BudgetPlanner
 from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue, simulate
-from ckpt_graph.planner.memory_budget import MemoryBudget
 from ckpt_graph.planner.milp import exact_for, milp_plan
 from ckpt_graph.planner.solve import SEEDS, candidate_ops, solve
 
@@ -185,18 +185,18 @@ class DeepLinear(torch.nn.Module):
 def planner_graphs() -> Iterator[list[Any]]:
     """Collect the ``RegionGraph`` of every region ``memory_budget`` plans."""
     graphs: list[Any] = []
-    original = MemoryBudget._graph
+    original = BudgetPlanner.graph
 
-    def collect(self: MemoryBudget, region: Any, run: Any) -> Any:
+    def collect(self: BudgetPlanner, region: Any, run: Any) -> Any:
         graph = original(self, region, run)
         graphs.append(graph)
         return graph
 
-    MemoryBudget._graph = collect  # type: ignore[method-assign]
+    BudgetPlanner.graph = collect  # type: ignore[method-assign]
     try:
         yield graphs
     finally:
-        MemoryBudget._graph = original  # type: ignore[method-assign]
+        BudgetPlanner.graph = original  # type: ignore[method-assign]
 
 
 def recorded(step: Callable[[], torch.Tensor], cache_limit: int | str | None = None) -> Any:

@@ -1,4 +1,5 @@
-"""No module reads the private fields of the region or of the objects that own its state.
+"""No module reads the private fields of the region, of the objects that own its state, of
+the policy context, or of the ``memory_budget`` policy and its parts.
 
 The rule, checked on the syntax tree of every module of the package, the tests and the
 benchmarks: an attribute ``<expr>._name`` (or ``getattr``/``setattr``/``hasattr``/
@@ -21,6 +22,17 @@ OWNERS = {
     "ckpt_graph/engine/policy_stack.py": ("PolicyStack",),
     "ckpt_graph/engine/saved_log.py": ("SavedLog",),
     "ckpt_graph/engine/recording_state.py": ("RecordingState",),
+    "ckpt_graph/engine/decisions.py": ("PolicyContext",),
+    "ckpt_graph/engine/lowering.py": ("CompileContext",),
+    "ckpt_graph/planner/memory_budget.py": ("MemoryBudget",),
+    "ckpt_graph/planner/step_tracker.py": ("StepTracker",),
+    "ckpt_graph/planner/budget_planner.py": ("BudgetPlanner", "_PlanCache"),
+}
+# Reads of a third party's private attribute that shares a name with an owner's, allowed in
+# the modules named (the rule matches names, not types), each with its reason.
+THIRD_PARTY = {
+    ("ckpt_graph/engine/record.py", "_op"): "torch's OpOverload._op, the C++ op it forwards to",
+    ("ckpt_graph/engine/replay.py", "_op"): "torch's OpOverload._op, the C++ op it forwards to",
 }
 EXEMPT: set[str] = set()
 _ACCESSORS = {"getattr", "setattr", "hasattr", "delattr"}
@@ -84,6 +96,10 @@ def test_owner_classes_define_the_private_names_checked() -> None:
     assert "_pairs" in owned["ckpt_graph/engine/saved_log.py"]
     assert "_update_constant" in owned["ckpt_graph/engine/policy_stack.py"]
     assert "_pass" not in owned["ckpt_graph/engine/region.py"]
+    assert {"_op", "_out", "_args"} <= owned["ckpt_graph/engine/decisions.py"]
+    assert {"_runs", "_compile_solver"} <= owned["ckpt_graph/planner/memory_budget.py"]
+    assert {"_plans", "_cache", "_plan_region"} <= owned["ckpt_graph/planner/budget_planner.py"]
+    assert "_regions" in owned["ckpt_graph/planner/step_tracker.py"]
 
 
 def test_the_rule_finds_reads_and_skips_self() -> None:
@@ -110,5 +126,6 @@ def test_no_module_reads_private_state_of_the_region_or_its_owners() -> None:
                     bad += [
                         f"{path}:{line}: {name} (private to {module})"
                         for line, name in reads_of(source, names)
+                        if (path, name) not in THIRD_PARTY
                     ]
     assert not bad, "use the owner's public attributes instead:\n" + "\n".join(bad)

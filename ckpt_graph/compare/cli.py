@@ -172,8 +172,13 @@ def _plot_formats() -> list[str]:
     return list(FigureCanvasBase.get_supported_filetypes())
 
 
-def _check_args(args: argparse.Namespace) -> dict[str, object]:
-    """Validate everything that can be checked before building a model."""
+def check_args(args: argparse.Namespace) -> dict[str, object]:
+    """The comparison's configuration from parsed arguments, validated as far as it can be
+    before a model is built.
+
+    Raises:
+        UsageError: an argument is out of range or names nothing known.
+    """
     if args.model not in MODELS:
         raise UsageError(f"unknown model {args.model!r}; choose from {', '.join(MODELS)}")
     if args.dtype not in _DTYPES:
@@ -347,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.command is None:
             raise UsageError("missing command; try: ckpt-graph compare --help")
-        config = _check_args(args)
+        config = check_args(args)
     except UsageError as e:
         return _fail(str(e))
     if args.verbose:

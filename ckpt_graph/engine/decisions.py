@@ -291,7 +291,8 @@ class PolicyContext:
         self._args: Any = ()
         self._kwargs: Any = {}
 
-    def _set(self, index: int, op: Any, info: OpInfo, out: Any, args: Any, kwargs: Any) -> None:
+    def set_op(self, index: int, op: Any, info: OpInfo, out: Any, args: Any, kwargs: Any) -> None:
+        """Point the context at the op about to be decided (the engine calls it, not policies)."""
         self.op_index = index
         self._op = op
         self._info = info
@@ -299,7 +300,8 @@ class PolicyContext:
         self._args = args
         self._kwargs = kwargs
 
-    def _clear(self) -> None:
+    def clear_op(self) -> None:
+        """Drop the decided op's tensors, so the context holds none between ops."""
         self._out = self._args = self._kwargs = None
 
     @property

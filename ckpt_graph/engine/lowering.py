@@ -162,6 +162,14 @@ class CompileContext:
         self._args: Any = ()
         self._kwargs: Any = {}
 
+    def set_op(self, op: Any, out: Any, args: Any, kwargs: Any) -> None:
+        """Point the context at the op about to be decided (the lowering calls it)."""
+        self._op, self._out, self._args, self._kwargs = op, out, args, kwargs
+
+    def clear_op(self) -> None:
+        """Drop the decided op's tensors, so the context holds none between ops."""
+        self._out = self._args = self._kwargs = None
+
     @property
     def op_name(self) -> str:
         return str(self._op)
@@ -252,7 +260,7 @@ class LoweredPolicy:
 
         ctx = self.ctx
         out = sac_ctx.op_output
-        ctx._op, ctx._out, ctx._args, ctx._kwargs = op, out, args, kwargs
+        ctx.set_op(op, out, args, kwargs)
         meta = fx_traceback.current_meta or {}
         ctx.module_path = module_path_from_meta(
             meta.get("nn_module_stack"), self.root_cls, self.root_called
@@ -273,7 +281,7 @@ class LoweredPolicy:
             )
             decision, by = CheckpointPolicy.PREFER_SAVE, ""
         finally:
-            ctx._out = ctx._args = ctx._kwargs = None
+            ctx.clear_op()
         lowered = _SAVE_INSTEAD.get(decision)
         if lowered is not None:
             _warn_once(

@@ -146,7 +146,7 @@ def decide(
         stack = region.policy_stack
         ctx = stack.ctx
         assert ctx is not None
-        ctx._set(node.index, node.op, node.info, out, args, kwargs)
+        ctx.set_op(node.index, node.op, node.info, out, args, kwargs)
         region.recording.on = False  # a policy's own tensor ops are not part of the region
         try:
             decision, node.decided_by = resolve(
@@ -154,7 +154,7 @@ def decide(
             )
         finally:
             region.recording.on = True
-            ctx._clear()
+            ctx.clear_op()
         node.decision = decision
     keep = id(decision) in _KEEP_IDS
     reason = graph.POLICY

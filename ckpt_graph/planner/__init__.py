@@ -30,9 +30,13 @@ adapt a recorded region to them. See Note [Planner layers].
 #    1-4; the only planner modules that import the engine.
 # 6. plans (``forward_memory``, ``plans``, ``menus``, ``step_budget``, ``across_sizes``):
 #    build on 1-4, not on the adapters nor the engine.
-# 7. policy (``memory_budget``, ``budget_heuristic``, ``budget_check``, ``budget_report``):
-#    builds on all of them. The engine hands it the region; it names the region's type
-#    (``engine.region``, under TYPE_CHECKING only) and imports nothing else of the engine.
+# 7. policy parts (``step_tracker``: which regions make up a step; ``budget_planner``: the
+#    plans by ordinal and by graph, solver dispatch, warnings; ``budget_heuristic``: the
+#    first step's decisions; ``budget_check``; ``budget_report``): build on 1-6.
+# 8. policy (``memory_budget``): the thin public policy over the parts of 7, on all of
+#    them. The engine hands the policy and its parts the region; they name the region's
+#    type (``engine.region``, under TYPE_CHECKING only) and import nothing else of the
+#    engine.
 # Exceptions, each with its reason in the test: ``StepPlan.__str__`` imports
 # ``budget_report``'s table when a plan is printed; ``hand_seeds`` reads the matmul op
 # names of ``policies.builtins``; ``BudgetReport`` (the policy's report with its tables)

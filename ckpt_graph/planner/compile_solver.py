@@ -198,21 +198,18 @@ class CompileSolver(CustomKnapsackSolver):
 
 
 def solver_for(policy: Any) -> CompileSolver:
-    """The one ``CompileSolver`` of a ``memory_budget`` policy object (made at first use).
+    """A ``CompileSolver`` for a ``memory_budget`` policy object's fraction and cost ratio.
 
-    Its ``reports`` then accumulate over the compiles that policy planned.
+    The policy keeps the one it makes (``MemoryBudget.compile_solver()``), so its
+    ``reports`` accumulate over the compiles that policy planned.
     """
-    solver = vars(policy).get("_compile_solver")
-    if not isinstance(solver, CompileSolver):
-        fraction = policy.compile_fraction
-        if fraction is None:
-            raise CkptGraphValueError(
-                f"ckpt_graph: {policy!r} has a budget in bytes, which torch.compile's "
-                "partitioner cannot plan (it takes a fraction); pass a fraction such as 0.5"
-            )
-        solver = CompileSolver(fraction, flops_per_byte=policy.flops_per_byte)
-        vars(policy)["_compile_solver"] = solver
-    return solver
+    fraction = policy.compile_fraction
+    if fraction is None:
+        raise CkptGraphValueError(
+            f"ckpt_graph: {policy!r} has a budget in bytes, which torch.compile's "
+            "partitioner cannot plan (it takes a fraction); pass a fraction such as 0.5"
+        )
+    return CompileSolver(fraction, flops_per_byte=policy.flops_per_byte)
 
 
 def _search(

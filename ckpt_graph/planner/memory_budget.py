@@ -1,5 +1,10 @@
 """``memory_budget(budget)``: keep what fits a memory budget with the least recompute.
 
+``MemoryBudget`` is the policy protocol only (which blocks are open, an answer per op); it
+holds a ``StepTracker`` (``step_tracker.py``: which regions make up a step, when it ends)
+and a ``BudgetPlanner`` (``budget_planner.py``: plans by ordinal and by graph, the solver,
+the measured check's re-plan, the warnings).
+
 # Note [Memory budget policy]
 # 1. Budget. An int (or a string with a unit) is bytes; a float in (0, 1] is a fraction
 #    (see Note [Budget argument]). The budget is for a whole *step*: the regions of one
@@ -92,46 +97,19 @@
 
 from __future__ import annotations
 
-import warnings
-import weakref
-from collections import OrderedDict
-from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphValueError
-from ckpt_graph.planner.across_sizes import (
-    catch_up,
-    cheap_start,
-    follow,
-    match,
-    op_shapes,
-    scaled,
-)
-from ckpt_graph.planner.budget_check import BudgetCheck
-from ckpt_graph.planner.budget_heuristic import count_saved, heuristic, views_of_kept
-from ckpt_graph.planner.budget_report import BudgetReport
+from ckpt_graph.planner.across_sizes import follow, match, op_shapes
+from ckpt_graph.planner.budget_heuristic import heuristic, views_of_kept
+from ckpt_graph.planner.budget_planner import BudgetPlanner
 from ckpt_graph.planner.compile_solver import CompileSolver, solver_for
-from ckpt_graph.planner.cost_model import machine_flops_per_byte, parse_budget, recorded_costs
-from ckpt_graph.planner.local_search import Refinement
-from ckpt_graph.planner.menus import warm_kept
-from ckpt_graph.planner.plans import make_plan
-from ckpt_graph.planner.records import (
-    KeptTensor,
-    Option,
-    Plan,
-    PlanReport,
-    RegionGraph,
-    Run,
-    Seen,
-    Signature,
-    StepPlan,
-)
-from ckpt_graph.planner.region_graph import input_bytes, region_graph
-from ckpt_graph.planner.solve import solve, solve_from
-from ckpt_graph.planner.step_budget import plan_jointly, step_budget_bytes
+from ckpt_graph.planner.cost_model import parse_budget
+from ckpt_graph.planner.records import KeptTensor, PlanReport, Run, StepPlan
+from ckpt_graph.planner.step_tracker import StepTracker
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
@@ -141,16 +119,22 @@ __all__ = ["KeptTensor", "MemoryBudget", "PlanReport", "StepPlan", "memory_budge
 _DETACH = "aten.detach.default"
 _SAVE = CheckpointPolicy.MUST_SAVE
 _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
-_WARM = "warm start"
-# local search of a warm start, then per later step (Note [Warm start at a new size])
-_WARM_EVALS = 40
-_REFINE_EVALS = 10
-# plans of single-region steps kept by graph signature (rule 8 of Note [Memory budget policy])
-_CACHE = 8
 
 
 class MemoryBudget:
     """The policy object returned by :func:`memory_budget`. See Note [Memory budget policy].
+
+    A thin policy over two parts: ``steps`` tells which regions make up one training step
+    and when it ends (``step_tracker.py``); ``planner`` keeps the plans, runs the solver
+    and warns (``budget_planner.py``). The policy answers the engine op by op: from a
+    plan it follows, else from the heuristic (``budget_heuristic.py``).
+
+    Attributes:
+        budget: bytes (an int) or a fraction (a float), as parsed from the argument.
+        flops_per_byte: the pinned recompute-cost ratio, or ``None`` (calibrated).
+        check: whether the measured check runs (Note [Measured budget check]).
+        steps: the regions of the current step (a :class:`StepTracker`).
+        planner: the plans and the solver (a :class:`BudgetPlanner`).
 
     Known limitations:
         The budget bounds the simulated step peak of the regions (activations, gradient
@@ -171,24 +155,10 @@ class MemoryBudget:
                 "(FLOPs one byte moved costs); leave it None to calibrate on this machine"
             )
         self.flops_per_byte = flops_per_byte
-        self._plans: dict[int, Plan] = {}
-        self._runs: dict[int, Run] = {}
-        self._step: list[weakref.ref[Region]] = []
-        self._last: PlanReport | None = None
-        self._warned = False
-        self._warned_step = False
-        # the current step (Note [Step budget across regions])
-        self._seen: list[Seen] = []
-        self._storages: set[int] = set()
-        self._graphs: dict[tuple[Signature, ...], RegionGraph] = {}
-        self._dirty = False
-        self._planned: tuple[int, ...] = ()
-        self._step_plan: StepPlan | None = None
-        # a warm start's search, continued at later steps (Note [Warm start at a new size])
-        self._refining: tuple[int, RegionGraph, int, Refinement] | None = None
-        self._check = BudgetCheck()  # See Note [Measured budget check].
-        # plans of steps of one region by graph signature, most recent last (rule 8)
-        self._cache: OrderedDict[tuple[Signature, ...], Plan] = OrderedDict()
+        self.steps = StepTracker()
+        self.planner = BudgetPlanner(self.budget, flops_per_byte, repr(self))
+        self._runs: dict[int, Run] = {}  # the open blocks, by region id
+        self._compile_solver: CompileSolver | None = None
 
     def __repr__(self) -> str:
         return f"memory_budget({self.budget!r})"
@@ -202,8 +172,11 @@ class MemoryBudget:
         return self.budget if isinstance(self.budget, float) else None
 
     def compile_solver(self) -> CompileSolver:
-        """The partitioner's knapsack solver of this policy object under torch.compile."""
-        return solver_for(self)
+        """The partitioner's knapsack solver of this policy object under torch.compile (made
+        at first use; its ``reports`` accumulate over the compiles this policy planned)."""
+        if self._compile_solver is None:
+            self._compile_solver = solver_for(self)
+        return self._compile_solver
 
     def on_region_enter(self, region: Region) -> None:
         """Start deciding for the ops of ``region`` recorded from now on."""
@@ -213,27 +186,16 @@ class MemoryBudget:
             return
         if not torch.is_grad_enabled():  # not a training step: See Note [Memory budget policy]
             return
-        if all(_done(r()) for r in self._step):  # a new step: plan the last one
+        if self.steps.over():  # a new step: plan the last one
             state = region.recording
             recording, state.on = state.on, False  # not the region's ops
             try:
-                self._measured_step()
-                if not self._plan_step():
-                    self._refine()
-                self._step, self._seen = [], []
-                self._storages = set()
-                if self.check:
-                    self._check.start(self._predicted())
+                self.planner.next_step(measure=self.check)
+                self.steps.new_step()
             finally:
                 state.on = recording
-        ordinal = len(self._step)
-        self._step.append(weakref.ref(region))
-        own = self._plans.get(ordinal)
-        plans = ([own] if own is not None else []) + [
-            p
-            for p in dict.fromkeys([*self._plans.values(), *reversed(self._cache.values())])
-            if p is not own
-        ]
+        ordinal = self.steps.add(region)
+        plans = self.planner.plans_for(ordinal)
         self._runs[id(region)] = Run(
             len(region.nodes),
             ordinal,
@@ -254,46 +216,11 @@ class MemoryBudget:
             return
         del self._runs[id(region)]
         if self.check:  # only the measured check's breakdown needs the parameters
-            self._check.note_region(region)
+            self.planner.check.note_region(region)
         if len(region.saved_log) == run.saved_at_enter:  # saved nothing: not planned (rule 7)
-            self._step = [r for r in self._step if r() is not region]
+            self.steps.drop(region)
             return
-        n = len(run.signature)
-        inputs = input_bytes(region, run.inputs_at_enter, self._storages)
-        if run.lag == 0 and run.exact and len(run.exact[0].signature) == n:
-            matched = exact = run.exact[:1]  # it matched to the end (Note [Following a plan])
-        else:
-            catch_up(run, n)
-            matched = [p for p in run.plans if len(p.signature) == n]
-            exact = [p for p in run.exact if len(p.signature) == n]
-        if matched and not run.heuristic and matched[0].graph is not None:
-            if not exact:
-                count_saved(region, run)
-            plan = exact[0] if exact else matched[0]
-            plan.report = replace(plan.report, reuses=plan.report.reuses + 1)
-            self._plans.setdefault(run.ordinal, plan)
-            self._last = plan.report if exact else scaled(plan, run, isinstance(self.budget, float))
-            assert plan.graph is not None
-            self._seen.append(Seen(run.ordinal, plan.graph, inputs))
-            return
-        warm = [p for p in run.plans if len(p.signature) == n] if run.grown else []
-        old = self._plans.get(run.ordinal)
-        if old is not None and not self._warned and not warm:
-            self._warned = True
-            at = run.diverged_at if run.diverged_at >= 0 else len(region.nodes)
-            warnings.warn(
-                f"ckpt_graph: memory_budget({self.budget!r}): the graph of region #{run.ordinal} "
-                f"of this step differs from the planned one (first at op #{at}); "
-                "this step used the online heuristic from there, and the region was planned "
-                "again for the next steps (warned once per policy)",
-                stacklevel=2,
-            )
-        graph = self._graph(region, run)
-        graph = self._graphs.setdefault(graph.signature, graph)
-        if warm and warm[0].graph is not None and graph.menu is None:
-            graph.warm = warm[0]  # See Note [Warm start at a new size].
-        self._seen.append(Seen(run.ordinal, graph, inputs))
-        self._dirty = True
+        self.planner.record(region, run)
 
     def __call__(
         self, ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any
@@ -333,171 +260,6 @@ class MemoryBudget:
         run.answers[index] = keep
         return _SAVE if keep else _RECOMPUTE
 
-    def _graph(self, region: Region, run: Run) -> RegionGraph:
-        """The block's graph as the planner sees it, with the ops the plan may decide."""
-        return region_graph(region, run, self._op_costs(region, run))
-
-    def _op_costs(self, region: Region, run: Run) -> dict[int, int]:
-        """Recompute cost per op index of the block. See Note [Recompute cost model]."""
-        fpb = self.flops_per_byte
-        if fpb is None:
-            fpb = machine_flops_per_byte()  # See Note [Pinned calibration]
-        return recorded_costs(region, run.answers, fpb)
-
-    def _plan_step(self) -> bool:
-        """Plan the regions of the current step for the next ones, unless already planned.
-
-        Returns whether it planned. See Note [Step budget across regions].
-        """
-        if not self._seen:
-            return False
-        key = tuple(id(s.graph) for s in self._seen)
-        if not self._dirty and key == self._planned:
-            return False
-        self._dirty = False
-        self._planned = key
-        self._graphs = {s.graph.signature: s.graph for s in self._seen}  # drop stale graphs
-        self._refining = None
-        if len(self._seen) == 1:
-            self._plan_region(self._seen[0])
-        else:
-            self._plan_jointly()
-        return True
-
-    def _plan_region(self, seen: Seen) -> None:
-        """A step of one region: the solver alone (rule 4 of Note [Step budget across
-        regions]), or a warm start (Note [Warm start at a new size])."""
-        graph = seen.graph
-        cached = self._cache.get(graph.signature)
-        if cached is not None:  # planned before: See rule 8 of Note [Memory budget policy].
-            self._cache.move_to_end(graph.signature)
-            self._plans.setdefault(seen.ordinal, cached)  # the own plan is still tried first
-            self._last = cached.report
-            self._step_plan = None
-            return
-        budget = step_budget_bytes([seen], self.budget)  # See Note [Memory budget policy] rule 1.
-        limit = budget + graph.outside - seen.inputs - self._check.correction
-        ref = None
-        option: Option | None = None
-        if graph.warm is not None:
-            start = warm_kept(graph.warm.kept, graph)
-            ref = solve_from(
-                graph.g, graph.candidates, limit, start, max_evals=_WARM_EVALS, total=True
-            )
-            if ref is None:  # See Note [Warm start at a new size] rule 6.
-                ref, option = cheap_start(graph, limit, _WARM_EVALS)
-        if ref is not None:
-            option = Option(ref.kept, ref.result, option.method if option else _WARM)
-            if not ref.done:
-                self._refining = (seen.ordinal, graph, budget, ref)
-        elif option is None:
-            sol = solve(
-                graph.g, graph.candidates, limit, hand=graph.hand, below_reach="total", total=True
-            )
-            option = Option(sol.kept_ops, sol.result, sol.method, sol.feasible)
-        if not option.feasible:
-            r = option.result
-            peak = r.peak_total_bytes - graph.outside + seen.inputs
-            warnings.warn(
-                f"ckpt_graph: memory_budget({self.budget!r}): no plan found within "
-                f"{budget:,} bytes for region #{seen.ordinal}; the plan with the lowest "
-                f"simulated peak ({peak:,} bytes) is used, {peak - budget:,} bytes over: "
-                f"{_fixed_bytes(graph) + seen.inputs:,} bytes of values kept whatever the plan "
-                "(tags, other policies, activation inputs) and "
-                f"{r.peak_total_bytes - r.peak_bytes:,} bytes of gradient buffers and backward "
-                "temporaries at the peak; parameters' gradients and memory outside the region "
-                "come on top (memory_budget(..., check=True) measures them)",
-                stacklevel=5,
-            )
-        plan = make_plan(graph, option, seen.ordinal, budget)
-        self._plans[seen.ordinal] = plan
-        self._remember(plan)
-        self._last = plan.report
-        self._step_plan = None
-
-    def _remember(self, plan: Plan) -> None:
-        """Cache the plan of a step of one region (rule 8 of Note [Memory budget policy])."""
-        self._cache[plan.signature] = plan
-        self._cache.move_to_end(plan.signature)
-        while len(self._cache) > _CACHE:
-            self._cache.popitem(last=False)
-
-    def _refine(self) -> None:
-        """Continue a warm start's search; a cheaper plan found replaces the step's plan.
-
-        See Note [Warm start at a new size] rule 5.
-        """
-        if self._refining is None:
-            return
-        ordinal, graph, budget, ref = self._refining
-        old = self._plans.get(ordinal)
-        if old is None or old.graph is not graph:  # planned again since
-            self._refining = None
-            return
-        if ref.run(_REFINE_EVALS):
-            plan = make_plan(graph, Option(ref.kept, ref.result, _WARM), ordinal, budget)
-            plan.report = replace(plan.report, reuses=old.report.reuses)
-            self._plans[ordinal] = plan
-            self._remember(plan)
-            self._last = plan.report
-        if ref.done:
-            self._refining = None
-
-    def _plan_jointly(self) -> None:
-        """The DP of rule 3 of Note [Step budget across regions]."""
-        budget = step_budget_bytes(self._seen, self.budget)
-        plans, step = plan_jointly(self._seen, budget - self._check.correction)
-        step = replace(step, budget_bytes=budget, correction_bytes=self._check.correction)
-        if not step.feasible and not self._warned_step:
-            self._warned_step = True
-            warnings.warn(
-                f"ckpt_graph: memory_budget({self.budget!r}): no plan found within "
-                f"{budget:,} bytes for the step's {step.regions} regions; the plans with the "
-                f"lowest predicted step peak found ({step.predicted_peak_bytes:,} bytes) are "
-                "used (warned once per policy)",
-                stacklevel=5,
-            )
-        for s, plan in zip(self._seen, plans, strict=True):
-            self._plans[s.ordinal] = plan
-            self._last = plan.report
-        self._step_plan = step
-
-    def _predicted(self) -> int | None:
-        """What the plans predict for what the budget bounds, None without a plan.
-
-        See Note [Measured budget check] rule 2.
-        """
-        if self._step_plan is not None:
-            return self._step_plan.predicted_peak_bytes
-        plan = self._plans.get(0)
-        if plan is None or plan.graph is None:
-            return None
-        return plan.report.predicted_total_peak_bytes - plan.graph.outside
-
-    def _measured_step(self) -> None:
-        """Compare the step that just ended with its prediction; plan again once if it
-        missed a byte budget, warn if it still does. See Note [Measured budget check]."""
-        m = self._check.stop(self._seen, not self._dirty)
-        if m is None or isinstance(self.budget, float):
-            return
-        budget = int(self.budget)
-        if self._check.over(m, budget):
-            self._dirty = True  # plan the step again with the correction
-            self._cache.clear()
-            return
-        lowest = not (self._step_plan.feasible if self._step_plan else self._last_feasible())
-        self._check.warn(repr(self), m, budget, lowest)
-
-    def _step_over(self) -> None:
-        """If every region of the step is done, end its measurement now (rule 1 of Note
-        [Measured budget check]): ``report()`` after a step's backward."""
-        if self._step and all(_done(r()) for r in self._step):
-            self._measured_step()
-
-    def _last_feasible(self) -> bool:
-        plan = self._plans.get(0)
-        return plan is None or plan.report.feasible
-
     def report(self, ordinal: int | None = None) -> PlanReport | None:
         """The plan of region ``ordinal`` of a step, or the last one made or used, with
         the step's figures; printed as a table (Note [Budget reports]).
@@ -505,25 +267,8 @@ class MemoryBudget:
         Example:
             >>> print(policy.report())  # doctest: +SKIP
         """
-        self._step_over()
-        self._plan_step()
-        if ordinal is None:
-            last = self._last
-        else:
-            plan = self._plans.get(ordinal)
-            last = plan.report if plan is not None else None
-        if last is None:
-            return None
-        step = self.step_report() if ordinal is None else None
-        return BudgetReport(
-            **{f.name: getattr(last, f.name) for f in fields(PlanReport)},
-            policy=repr(self),
-            fraction=self.budget if isinstance(self.budget, float) else None,
-            measured_peak_bytes=self._measured_bytes(),
-            correction_bytes=self._check.correction,
-            step=step,
-            regions=step.rows if step is not None else (),
-        )
+        self._end_finished_step()
+        return self.planner.report(ordinal)
 
     def step_report(self) -> StepPlan | None:
         """The joint plan of the last step with several regions (None for one region),
@@ -534,27 +279,14 @@ class MemoryBudget:
         Example:
             >>> print(policy.step_report())  # doctest: +SKIP
         """
-        self._step_over()
-        self._plan_step()
-        step = self._step_plan
-        if step is None:
-            return None
-        rows = tuple(
-            replace(p.report, ordinal=k)
-            for k, p in sorted(self._plans.items(), key=lambda t: t[0])
-            if k < step.regions
-        )
-        return replace(
-            step,
-            measured_peak_bytes=self._measured_bytes(),
-            rows=rows,
-            policy=repr(self),
-            fraction=self.budget if isinstance(self.budget, float) else None,
-        )
+        self._end_finished_step()
+        return self.planner.step_report()
 
-    def _measured_bytes(self) -> int | None:
-        m = self._check.last
-        return m.measured_bytes if m is not None else None
+    def _end_finished_step(self) -> None:
+        """If every region of the step is done, end its measurement now (rule 1 of Note
+        [Measured budget check]): ``report()`` after a step's backward."""
+        if self.steps.ended():
+            self.planner.measure_step()
 
 
 def memory_budget(
@@ -597,20 +329,3 @@ def memory_budget(
         >>> print(policy.step_report())  # doctest: +SKIP
     """
     return MemoryBudget(budget, flops_per_byte=flops_per_byte, check=check)
-
-
-def _fixed_bytes(graph: RegionGraph) -> int:
-    """Bytes of the values the region keeps whatever the plan (tags, other policies)."""
-    g = graph.g
-    return sum(
-        g.values[v].nbytes
-        for v in g.fixed
-        if g.values[v].storage == v and g.values[v].producer >= 0
-    )
-
-
-def _done(region: Region | None) -> bool:
-    """Whether a region of the current step is finished (backward ran, or released)."""
-    if region is None:
-        return True
-    return region.pass_state.number > 0 or region.released

@@ -28,7 +28,7 @@ HAVE_HF = importlib.util.find_spec("transformers") is not None
 
 def _config(argv: list[str]) -> dict[str, object]:
     args = cli.build_parser().parse_args(argv)
-    return cli._check_args(args)
+    return cli.check_args(args)
 
 
 def test_parse_defaults_fill_model_sizes() -> None:

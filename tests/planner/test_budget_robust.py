@@ -14,7 +14,7 @@ from torch import nn
 
 import ckpt_graph as cg
 from ckpt_graph.memory import measure, measure_with_result
-from ckpt_graph.planner import memory_budget as mb
+from ckpt_graph.planner import budget_planner
 from ckpt_graph.planner.memory_budget import MemoryBudget, memory_budget
 
 FPB = 4.0  # pinned: no calibration on the machine
@@ -181,13 +181,13 @@ def test_single_region_keeps_plans_of_graphs_it_switches_between(
     # Before: every switch back to an already planned graph ran the solver again.
     ws = _weights(5)
     calls: list[int] = []
-    solve = mb.solve
+    solve = budget_planner.solve
 
     def counted(*args: object, **kwargs: object) -> object:
         calls.append(1)
         return solve(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(mb, "solve", counted)
+    monkeypatch.setattr(budget_planner, "solve", counted)
     policy = memory_budget(0.6, flops_per_byte=FPB)
     refs = {}
     for skip in (False, True):

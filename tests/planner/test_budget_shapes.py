@@ -18,8 +18,8 @@ import torch
 import ckpt_graph as cg
 from ckpt_graph.compare.architectures import GPT
 from ckpt_graph.memory import measure
-from ckpt_graph.planner import local_search, menus, seeds
-from ckpt_graph.planner import memory_budget as memory_budget_module
+from ckpt_graph.planner import budget_planner, local_search, menus, seeds
+from ckpt_graph.planner.budget_planner import BudgetPlanner
 from ckpt_graph.planner.from_region import from_region, kept_ops_of
 from ckpt_graph.planner.liveness import simulate
 from ckpt_graph.planner.local_search import Refinement
@@ -31,16 +31,16 @@ VOCAB, WIDTH, LAYERS, HEADS, MAX_SEQ = 64, 32, 2, 2, 48
 
 @pytest.fixture
 def plans_made(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """Counts the regions recorded for a new plan (one entry per ``MemoryBudget._graph`` call:
+    """Counts the regions recorded for a new plan (one entry per ``BudgetPlanner.graph`` call:
     a region no plan matched, whose step the solver plans again)."""
     made: list[int] = []
-    graph = MemoryBudget._graph
+    graph = BudgetPlanner.graph
 
-    def counting(self: MemoryBudget, region: cg.Region, run: object) -> object:
+    def counting(self: BudgetPlanner, region: cg.Region, run: object) -> object:
         made.append(len(region.nodes))
         return graph(self, region, run)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(MemoryBudget, "_graph", counting)
+    monkeypatch.setattr(BudgetPlanner, "graph", counting)
     yield made
 
 
@@ -161,9 +161,9 @@ def solver_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
         return call
 
-    for module in (memory_budget_module, menus):
+    for module in (budget_planner, menus):
         monkeypatch.setattr(module, "solve", counting("solve", module.solve))
-    monkeypatch.setattr(memory_budget_module, "solve_from", counting("solve_from", solve_from))
+    monkeypatch.setattr(budget_planner, "solve_from", counting("solve_from", solve_from))
     return calls
 
 

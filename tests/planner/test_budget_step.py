@@ -119,7 +119,7 @@ def test_later_regions_keep_more_and_identical_choices_share_a_plan() -> None:
     kept = [sum(k.nbytes for k in r.kept) for r in reports if r is not None]
     assert kept[-1] > kept[0]  # freed first in backward: the last block keeps more
     assert kept == sorted(kept)
-    plans = {id(policy._plans[k]) for k in range(LAYERS)}
+    plans = {id(policy.planner.plan(k)) for k in range(LAYERS)}
     assert len(plans) < LAYERS  # blocks given the same menu entry share one plan
     assert all(r is not None and r.reuses >= 1 for r in reports)
 

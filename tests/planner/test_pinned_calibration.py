@@ -14,7 +14,7 @@ import torch
 
 import ckpt_graph as cg
 from ckpt_graph.compare.zoo import build_workload
-from ckpt_graph.planner import memory_budget as memory_budget_module
+from ckpt_graph.planner import budget_planner
 from ckpt_graph.planner.cost_model import FLOPS_PER_BYTE_ENV, machine_flops_per_byte
 from ckpt_graph.planner.memory_budget import MemoryBudget
 from ckpt_graph.policies import memory_budget
@@ -50,13 +50,13 @@ def test_a_pinned_ratio_plans_without_calibrating(monkeypatch: pytest.MonkeyPatc
 
 def test_an_explicit_ratio_wins_over_the_pinned_one(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[float] = []
-    recorded = memory_budget_module.recorded_costs
+    recorded = budget_planner.recorded_costs
 
     def spy(region: cg.Region, indices: object, flops_per_byte: float) -> dict[int, int]:
         seen.append(flops_per_byte)
         return recorded(region, indices, flops_per_byte)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(memory_budget_module, "recorded_costs", spy)
+    monkeypatch.setattr(budget_planner, "recorded_costs", spy)
     monkeypatch.setenv(FLOPS_PER_BYTE_ENV, "3.5")
     _plan(memory_budget(0.5))
     _plan(memory_budget(0.5, flops_per_byte=0.5))

@@ -1,0 +1,390 @@
+"""The planner behind a ``memory_budget`` policy: plans by ordinal and by graph, solver
+dispatch, the measured check's re-plan, and the warnings.
+
+The policy (``memory_budget.py``) answers the engine op by op; at a block's exit it hands
+the block to :meth:`BudgetPlanner.record`, and when a step ends (``step_tracker.py``) it
+asks :meth:`BudgetPlanner.next_step` to plan it. See Note [Memory budget policy] (rules 2,
+3 and 8) and Note [Step budget across regions].
+
+Example:
+    >>> planner = BudgetPlanner(0.5, None, "memory_budget(0.5)")
+    >>> planner.plans_for(0), planner.report(None)
+    ([], None)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from dataclasses import fields, replace
+from typing import TYPE_CHECKING
+
+from ckpt_graph.planner.across_sizes import catch_up, cheap_start, scaled
+from ckpt_graph.planner.budget_check import BudgetCheck
+from ckpt_graph.planner.budget_heuristic import count_saved
+from ckpt_graph.planner.budget_report import BudgetReport
+from ckpt_graph.planner.cost_model import machine_flops_per_byte, recorded_costs
+from ckpt_graph.planner.local_search import Refinement
+from ckpt_graph.planner.menus import warm_kept
+from ckpt_graph.planner.plans import make_plan
+from ckpt_graph.planner.records import (
+    Option,
+    Plan,
+    PlanReport,
+    RegionGraph,
+    Run,
+    Seen,
+    Signature,
+    StepPlan,
+)
+from ckpt_graph.planner.region_graph import input_bytes, region_graph
+from ckpt_graph.planner.solve import solve, solve_from
+from ckpt_graph.planner.step_budget import plan_jointly, step_budget_bytes
+
+if TYPE_CHECKING:
+    from ckpt_graph.engine.region import Region
+
+__all__ = ["BudgetPlanner"]
+
+_WARM = "warm start"
+# local search of a warm start, then per later step (Note [Warm start at a new size])
+_WARM_EVALS = 40
+_REFINE_EVALS = 10
+# plans of single-region steps kept by graph signature (rule 8 of Note [Memory budget policy])
+_CACHE = 8
+
+
+class _PlanCache:
+    """Plans of steps of one region by graph signature, the ``_CACHE`` most recent (rule 8
+    of Note [Memory budget policy])."""
+
+    def __init__(self) -> None:
+        self._plans: OrderedDict[tuple[Signature, ...], Plan] = OrderedDict()
+
+    def plans(self) -> list[Plan]:
+        """The plans kept, most recent first."""
+        return list(reversed(self._plans.values()))
+
+    def get(self, signature: tuple[Signature, ...]) -> Plan | None:
+        """The plan of a graph, marked most recent; ``None`` if not kept."""
+        plan = self._plans.get(signature)
+        if plan is not None:
+            self._plans.move_to_end(signature)
+        return plan
+
+    def put(self, plan: Plan) -> None:
+        """Keep ``plan`` as the most recent; drop the oldest beyond ``_CACHE``."""
+        self._plans[plan.signature] = plan
+        self._plans.move_to_end(plan.signature)
+        while len(self._plans) > _CACHE:
+            self._plans.popitem(last=False)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+
+class BudgetPlanner:
+    """Plans the regions of a policy's steps and keeps the plans they follow.
+
+    Attributes:
+        check: the measured check (Note [Measured budget check]); it runs only when the
+            policy was made with ``check=True``.
+
+    Invariants:
+        ``plan(k)`` is the plan region ``k`` of a step tries first; the regions recorded
+        this step (``record``) are planned at most once per change (``plan_step``).
+    """
+
+    def __init__(self, budget: int | float, flops_per_byte: float | None, name: str) -> None:
+        self._budget = budget
+        self._flops_per_byte = flops_per_byte
+        self._name = name  # the policy's repr, in warnings and reports
+        self.check = BudgetCheck()  # See Note [Measured budget check].
+        self._plans: dict[int, Plan] = {}
+        self._last: PlanReport | None = None
+        self._warned = False
+        self._warned_step = False
+        # the current step (Note [Step budget across regions])
+        self._seen: list[Seen] = []
+        self._storages: set[int] = set()
+        self._graphs: dict[tuple[Signature, ...], RegionGraph] = {}
+        self._dirty = False
+        self._planned: tuple[int, ...] = ()
+        self._step_plan: StepPlan | None = None
+        # a warm start's search, continued at later steps (Note [Warm start at a new size])
+        self._refining: tuple[int, RegionGraph, int, Refinement] | None = None
+        self._cache = _PlanCache()
+
+    @property
+    def _fraction(self) -> bool:
+        return isinstance(self._budget, float)
+
+    def plan(self, ordinal: int) -> Plan | None:
+        """The plan region ``ordinal`` of a step tries first, if any."""
+        return self._plans.get(ordinal)
+
+    def plans_for(self, ordinal: int) -> list[Plan]:
+        """The plans region ``ordinal`` tries, in order: its own, the step's others, then
+        the plans kept by graph (rules 3 and 8 of Note [Memory budget policy])."""
+        own = self._plans.get(ordinal)
+        others = dict.fromkeys([*self._plans.values(), *self._cache.plans()])
+        return ([own] if own is not None else []) + [p for p in others if p is not own]
+
+    def next_step(self, measure: bool) -> None:
+        """The step is over: compare it with its prediction, plan it (or continue a warm
+        start's search), and start recording the next one; ``measure``: start the measured
+        check of the next step (Note [Measured budget check])."""
+        self.measure_step()
+        if not self.plan_step():
+            self._refine()
+        self._seen = []
+        self._storages = set()
+        if measure:
+            self.check.start(self._predicted())
+
+    def record(self, region: Region, run: Run) -> None:
+        """Record a block that saved something for the step's plan, unless a plan matched
+        it fully (rule 3 of Note [Memory budget policy])."""
+        n = len(run.signature)
+        inputs = input_bytes(region, run.inputs_at_enter, self._storages)
+        if run.lag == 0 and run.exact and len(run.exact[0].signature) == n:
+            matched = exact = run.exact[:1]  # it matched to the end (Note [Following a plan])
+        else:
+            catch_up(run, n)
+            matched = [p for p in run.plans if len(p.signature) == n]
+            exact = [p for p in run.exact if len(p.signature) == n]
+        if matched and not run.heuristic and matched[0].graph is not None:
+            if not exact:
+                count_saved(region, run)
+            plan = exact[0] if exact else matched[0]
+            plan.report = replace(plan.report, reuses=plan.report.reuses + 1)
+            self._plans.setdefault(run.ordinal, plan)
+            self._last = plan.report if exact else scaled(plan, run, self._fraction)
+            assert plan.graph is not None
+            self._seen.append(Seen(run.ordinal, plan.graph, inputs))
+            return
+        warm = [p for p in run.plans if len(p.signature) == n] if run.grown else []
+        old = self._plans.get(run.ordinal)
+        if old is not None and not self._warned and not warm:
+            self._warned = True
+            at = run.diverged_at if run.diverged_at >= 0 else len(region.nodes)
+            warnings.warn(
+                f"ckpt_graph: {self._name}: the graph of region #{run.ordinal} "
+                f"of this step differs from the planned one (first at op #{at}); "
+                "this step used the online heuristic from there, and the region was planned "
+                "again for the next steps (warned once per policy)",
+                stacklevel=3,
+            )
+        graph = self.graph(region, run)
+        graph = self._graphs.setdefault(graph.signature, graph)
+        if warm and warm[0].graph is not None and graph.menu is None:
+            graph.warm = warm[0]  # See Note [Warm start at a new size].
+        self._seen.append(Seen(run.ordinal, graph, inputs))
+        self._dirty = True
+
+    def graph(self, region: Region, run: Run) -> RegionGraph:
+        """The block's graph as the planner sees it, with the ops the plan may decide."""
+        return region_graph(region, run, self.op_costs(region, run))
+
+    def op_costs(self, region: Region, run: Run) -> dict[int, int]:
+        """Recompute cost per op index of the block. See Note [Recompute cost model]."""
+        fpb = self._flops_per_byte
+        if fpb is None:
+            fpb = machine_flops_per_byte()  # See Note [Pinned calibration]
+        return recorded_costs(region, run.answers, fpb)
+
+    def plan_step(self) -> bool:
+        """Plan the regions of the current step for the next ones, unless already planned.
+
+        Returns whether it planned. See Note [Step budget across regions].
+        """
+        if not self._seen:
+            return False
+        key = tuple(id(s.graph) for s in self._seen)
+        if not self._dirty and key == self._planned:
+            return False
+        self._dirty = False
+        self._planned = key
+        self._graphs = {s.graph.signature: s.graph for s in self._seen}  # drop stale graphs
+        self._refining = None
+        if len(self._seen) == 1:
+            self._plan_region(self._seen[0])
+        else:
+            self._plan_jointly()
+        return True
+
+    def _plan_region(self, seen: Seen) -> None:
+        """A step of one region: the solver alone (rule 4 of Note [Step budget across
+        regions]), or a warm start (Note [Warm start at a new size])."""
+        graph = seen.graph
+        cached = self._cache.get(graph.signature)
+        if cached is not None:  # planned before: See rule 8 of Note [Memory budget policy].
+            self._plans.setdefault(seen.ordinal, cached)  # the own plan is still tried first
+            self._last = cached.report
+            self._step_plan = None
+            return
+        budget = step_budget_bytes([seen], self._budget)  # See Note [Memory budget policy] rule 1.
+        limit = budget + graph.outside - seen.inputs - self.check.correction
+        ref = None
+        option: Option | None = None
+        if graph.warm is not None:
+            start = warm_kept(graph.warm.kept, graph)
+            ref = solve_from(
+                graph.g, graph.candidates, limit, start, max_evals=_WARM_EVALS, total=True
+            )
+            if ref is None:  # See Note [Warm start at a new size] rule 6.
+                ref, option = cheap_start(graph, limit, _WARM_EVALS)
+        if ref is not None:
+            option = Option(ref.kept, ref.result, option.method if option else _WARM)
+            if not ref.done:
+                self._refining = (seen.ordinal, graph, budget, ref)
+        elif option is None:
+            sol = solve(
+                graph.g, graph.candidates, limit, hand=graph.hand, below_reach="total", total=True
+            )
+            option = Option(sol.kept_ops, sol.result, sol.method, sol.feasible)
+        if not option.feasible:
+            r = option.result
+            peak = r.peak_total_bytes - graph.outside + seen.inputs
+            warnings.warn(
+                f"ckpt_graph: {self._name}: no plan found within "
+                f"{budget:,} bytes for region #{seen.ordinal}; the plan with the lowest "
+                f"simulated peak ({peak:,} bytes) is used, {peak - budget:,} bytes over: "
+                f"{_fixed_bytes(graph) + seen.inputs:,} bytes of values kept whatever the plan "
+                "(tags, other policies, activation inputs) and "
+                f"{r.peak_total_bytes - r.peak_bytes:,} bytes of gradient buffers and backward "
+                "temporaries at the peak; parameters' gradients and memory outside the region "
+                "come on top (memory_budget(..., check=True) measures them)",
+                stacklevel=6,
+            )
+        plan = make_plan(graph, option, seen.ordinal, budget)
+        self._plans[seen.ordinal] = plan
+        self._cache.put(plan)
+        self._last = plan.report
+        self._step_plan = None
+
+    def _refine(self) -> None:
+        """Continue a warm start's search; a cheaper plan found replaces the step's plan.
+
+        See Note [Warm start at a new size] rule 5.
+        """
+        if self._refining is None:
+            return
+        ordinal, graph, budget, ref = self._refining
+        old = self._plans.get(ordinal)
+        if old is None or old.graph is not graph:  # planned again since
+            self._refining = None
+            return
+        if ref.run(_REFINE_EVALS):
+            plan = make_plan(graph, Option(ref.kept, ref.result, _WARM), ordinal, budget)
+            plan.report = replace(plan.report, reuses=old.report.reuses)
+            self._plans[ordinal] = plan
+            self._cache.put(plan)
+            self._last = plan.report
+        if ref.done:
+            self._refining = None
+
+    def _plan_jointly(self) -> None:
+        """The DP of rule 3 of Note [Step budget across regions]."""
+        budget = step_budget_bytes(self._seen, self._budget)
+        plans, step = plan_jointly(self._seen, budget - self.check.correction)
+        step = replace(step, budget_bytes=budget, correction_bytes=self.check.correction)
+        if not step.feasible and not self._warned_step:
+            self._warned_step = True
+            warnings.warn(
+                f"ckpt_graph: {self._name}: no plan found within "
+                f"{budget:,} bytes for the step's {step.regions} regions; the plans with the "
+                f"lowest predicted step peak found ({step.predicted_peak_bytes:,} bytes) are "
+                "used (warned once per policy)",
+                stacklevel=6,
+            )
+        for s, plan in zip(self._seen, plans, strict=True):
+            self._plans[s.ordinal] = plan
+            self._last = plan.report
+        self._step_plan = step
+
+    def _predicted(self) -> int | None:
+        """What the plans predict for what the budget bounds, None without a plan.
+
+        See Note [Measured budget check] rule 2.
+        """
+        if self._step_plan is not None:
+            return self._step_plan.predicted_peak_bytes
+        plan = self._plans.get(0)
+        if plan is None or plan.graph is None:
+            return None
+        return plan.report.predicted_total_peak_bytes - plan.graph.outside
+
+    def measure_step(self) -> None:
+        """Compare the step that just ended with its prediction; plan again once if it
+        missed a byte budget, warn if it still does. See Note [Measured budget check]."""
+        m = self.check.stop(self._seen, not self._dirty)
+        if m is None or self._fraction:
+            return
+        budget = int(self._budget)
+        if self.check.over(m, budget):
+            self._dirty = True  # plan the step again with the correction
+            self._cache.clear()
+            return
+        lowest = not (self._step_plan.feasible if self._step_plan else self._last_feasible())
+        self.check.warn(self._name, m, budget, lowest)
+
+    def _last_feasible(self) -> bool:
+        plan = self._plans.get(0)
+        return plan is None or plan.report.feasible
+
+    def report(self, ordinal: int | None) -> BudgetReport | None:
+        """The plan of region ``ordinal`` of a step, or the last one made or used, with the
+        step's figures (Note [Budget reports]); plans the step first if it needs it."""
+        self.plan_step()
+        if ordinal is None:
+            last = self._last
+        else:
+            plan = self._plans.get(ordinal)
+            last = plan.report if plan is not None else None
+        if last is None:
+            return None
+        step = self.step_report() if ordinal is None else None
+        return BudgetReport(
+            **{f.name: getattr(last, f.name) for f in fields(PlanReport)},
+            policy=self._name,
+            fraction=self._budget if self._fraction else None,
+            measured_peak_bytes=self._measured_bytes(),
+            correction_bytes=self.check.correction,
+            step=step,
+            regions=step.rows if step is not None else (),
+        )
+
+    def step_report(self) -> StepPlan | None:
+        """The joint plan of the last step with several regions (None for one region), with
+        each region's plan (Note [Budget reports]); plans the step first if it needs it."""
+        self.plan_step()
+        step = self._step_plan
+        if step is None:
+            return None
+        rows = tuple(
+            replace(p.report, ordinal=k)
+            for k, p in sorted(self._plans.items(), key=lambda t: t[0])
+            if k < step.regions
+        )
+        return replace(
+            step,
+            measured_peak_bytes=self._measured_bytes(),
+            rows=rows,
+            policy=self._name,
+            fraction=self._budget if self._fraction else None,
+        )
+
+    def _measured_bytes(self) -> int | None:
+        m = self.check.last
+        return m.measured_bytes if m is not None else None
+
+
+def _fixed_bytes(graph: RegionGraph) -> int:
+    """Bytes of the values the region keeps whatever the plan (tags, other policies)."""
+    g = graph.g
+    return sum(
+        g.values[v].nbytes
+        for v in g.fixed
+        if g.values[v].storage == v and g.values[v].producer >= 0
+    )
