@@ -59,18 +59,41 @@ def _shape(output: dict[str, Any]) -> tuple[str, ...]:
     return (kind, normalise(str(data.get("text/plain", ""))))
 
 
+def _joined_streams(outputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``outputs`` with each run of consecutive stream outputs of one name joined into one.
+
+    The kernel sends what a cell prints in messages cut by time, not by ``print`` calls, so
+    two lines may come as one stream output on one run and as two on another (a loaded
+    machine); what a reader sees is the same text.
+    """
+    joined: list[dict[str, Any]] = []
+    for o in outputs:
+        last = joined[-1] if joined else None
+        if (
+            o["output_type"] == "stream"
+            and last is not None
+            and last["output_type"] == "stream"
+            and last["name"] == o["name"]
+        ):
+            joined[-1] = {**last, "text": last["text"] + o["text"]}
+        else:
+            joined.append(o)
+    return joined
+
+
 def signature(nb: Any) -> list[list[tuple[str, ...]]]:
-    """Per code cell, the shapes of its outputs; stderr (warnings, progress) is left out."""
+    """Per code cell, the shapes of its outputs; stderr (warnings, progress) is left out and
+    consecutive stream outputs are joined (see ``_joined_streams``)."""
     cells = []
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
-        shapes = [
-            _shape(o)
+        outputs = [
+            o
             for o in cell.get("outputs", [])
             if not (o["output_type"] == "stream" and o["name"] == "stderr")
         ]
-        cells.append(shapes)
+        cells.append([_shape(o) for o in _joined_streams(outputs)])
     return cells
 
 

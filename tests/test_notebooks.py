@@ -62,3 +62,17 @@ def test_stale_cells_names_the_cell() -> None:
     assert nb_execute.stale_cells(nb("kept 4 MiB\n"), nb("kept 5 MiB\n")) == []
     problems = nb_execute.stale_cells(nb("kept 4 MiB\n"), nb("recomputed 4 MiB\n"))
     assert len(problems) == 1 and problems[0].startswith("code cell 0")
+
+
+def test_stream_outputs_cut_differently_are_the_same() -> None:
+    import nbformat
+
+    def nb(*texts: str) -> object:
+        cell = nbformat.v4.new_code_cell("print()")
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=t) for t in texts]
+        return nbformat.v4.new_notebook(cells=[cell])
+
+    one = nb("difference: 2.97e-08\nmatch\n")
+    two = nb("difference: 3.1e-08\n", "match\n")
+    assert nb_execute.stale_cells(one, two) == []
+    assert nb_execute.stale_cells(one, nb("difference: 1e-3\n", "mismatch\n")) != []
