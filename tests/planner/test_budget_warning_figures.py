@@ -6,8 +6,9 @@ block's peak (12,747,824 bytes) the re-plan warned "no plan found within 12,747,
 ... the plan with the lowest simulated peak (6,554,048 bytes) is used, -6,193,776 bytes
 over". After the first planned step measured above the budget, the planner works with the
 budget less the memory measured outside its model (Note [Measured budget check] rule 2),
-but the warning compares the plan's peak with the budget as given: a plan below the figure
-the warning names is said not to fit it, by a negative amount. ``flops_per_byte`` is pinned.
+and the warning compared the plan's peak with the budget as given: a plan below the figure
+the warning named was said not to fit it, by a negative amount. It now names the corrected
+figure and the correction. ``flops_per_byte`` is pinned.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import re
 import warnings
 
-import pytest
 import torch
 from torch import nn
 
@@ -53,12 +53,6 @@ _NO_PLAN = re.compile(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="after a measured re-plan the 'no plan found' warning names the budget as given, "
-    "not the corrected figure the planner missed, and reports a negative excess "
-    "(planner/memory_budget.py, MemoryBudget._plan)",
-)
 def test_no_plan_warning_after_a_measured_replan_states_a_positive_excess() -> None:
     blocks, x = _mlp(), torch.randn(256, 128)
     plain = measure(_step, blocks, None, x).peak_bytes
