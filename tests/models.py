@@ -545,3 +545,23 @@ class RegionSpy:
         if ctx.region not in self.regions:
             self.regions.append(ctx.region)
         return False
+
+
+def mlp_blocks() -> nn.ModuleList:
+    """Six 128 -> 512 -> 128 GELU blocks (seed 0): a small stack the budget tests share."""
+    torch.manual_seed(0)
+    return nn.ModuleList(
+        nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)) for _ in range(6)
+    )
+
+
+def blocks_step(blocks: nn.ModuleList, policy: Any, x: torch.Tensor) -> None:
+    """One training step of ``blocks`` in sequence, in one region under ``policy`` (or none
+    when ``None``), loss ``mean(h ** 2)``; gradients reset first."""
+    for p in blocks.parameters():
+        p.grad = None
+    with cg.save_recompute_policy(policy) if policy is not None else contextlib.nullcontext():
+        h = x
+        for b in blocks:
+            h = b(h)
+    h.pow(2).mean().backward()

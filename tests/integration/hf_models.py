@@ -73,3 +73,15 @@ def grads(model: Any, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     loss(model, ids).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+class Logits(torch.nn.Module):
+    """An HF causal LM called with positional ids, returning its logits: the shape compiled
+    tests need (the LM's own loss graph-breaks, so it stays outside)."""
+
+    def __init__(self, lm: Any) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.lm(input_ids=x).logits

@@ -405,20 +405,14 @@ def test_inductor_transformer_stack() -> None:
 @pytest.mark.slow
 def test_inductor_transformers_gpt2() -> None:
     pytest.importorskip("transformers")
-    from .hf_models import BATCH, SEQ, VOCAB, build
+    from .hf_models import BATCH, SEQ, VOCAB, Logits, build
 
     model = build("gpt2", layers=2)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
 
-    class LM(torch.nn.Module):  # positional input; the loss (HF's graph-breaks) is outside
-        def __init__(self) -> None:
-            super().__init__()
-            self.lm = model
-
-        def forward(self, x: torch.Tensor) -> Any:
-            return self.lm(input_ids=x).logits
-
-    breaks, peak, eager_peak, plain_peak = _inductor_case(LM(), policies.save_matmuls(), ids)
+    breaks, peak, eager_peak, plain_peak = _inductor_case(
+        Logits(model), policies.save_matmuls(), ids
+    )
     assert breaks == 0
     assert peak <= INDUCTOR_SLACK * eager_peak
     assert peak < plain_peak

@@ -262,17 +262,9 @@ def test_inductor_transformer_stack_at_or_below_compiles_budget() -> None:
 @pytest.mark.slow
 def test_inductor_transformers_gpt2_at_or_below_compiles_budget() -> None:
     pytest.importorskip("transformers")
-    from .hf_models import BATCH, SEQ, VOCAB, build
+    from .hf_models import BATCH, SEQ, VOCAB, Logits, build
 
     model = build("gpt2", layers=2)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
 
-    class LM(torch.nn.Module):  # positional input; the loss (HF's graph-breaks) is outside
-        def __init__(self) -> None:
-            super().__init__()
-            self.lm = model
-
-        def forward(self, x: torch.Tensor) -> Any:
-            return self.lm(input_ids=x).logits
-
-    _check(_compare(LM(), 0.3, ids))
+    _check(_compare(Logits(model), 0.3, ids))

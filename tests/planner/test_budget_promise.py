@@ -12,12 +12,13 @@ import warnings
 
 import pytest
 import torch
+from models import blocks_step, mlp_blocks
 from torch import nn
 
 import ckpt_graph as cg
 from ckpt_graph.compare.architectures import GPT
 from ckpt_graph.memory import measure
-from ckpt_graph.planner.memory_budget import MemoryBudget, memory_budget
+from ckpt_graph.planner.memory_budget import memory_budget
 
 FPB = 4.0
 MIB = 2**20
@@ -64,40 +65,19 @@ def test_full_budget_recomputes_nothing(per_layer: bool) -> None:
     assert report.predicted_recompute_flops == 0
 
 
-def _mlp() -> nn.ModuleList:
-    torch.manual_seed(0)
-    return nn.ModuleList(
-        nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)) for _ in range(6)
-    )
-
-
-def _mlp_step(blocks: nn.ModuleList, policy: MemoryBudget | None, x: torch.Tensor) -> None:
-    for p in blocks.parameters():
-        p.grad = None
-    h = x
-    if policy is None:
-        for b in blocks:
-            h = b(h)
-    else:
-        with cg.save_recompute_policy(policy):
-            for b in blocks:
-                h = b(h)
-    h.pow(2).mean().backward()
-
-
 def test_byte_budget_is_checked_against_the_measured_step_and_met() -> None:
     # Before: the plan met the budget with the region's activations only; the step
     # measured 26.5 MiB against "24MiB" (6 x 256->1024 blocks, batch 512), with no warning.
-    blocks, x = _mlp(), torch.randn(256, 128)
-    plain = measure(_mlp_step, blocks, None, x).peak_bytes
+    blocks, x = mlp_blocks(), torch.randn(256, 128)
+    plain = measure(blocks_step, blocks, None, x).peak_bytes
     budget = int(0.75 * plain)
     policy = memory_budget(budget, flops_per_byte=FPB, check=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(4):
-            _mlp_step(blocks, policy, x)
+            blocks_step(blocks, policy, x)
         report = policy.report()
-        peak = measure(_mlp_step, blocks, policy, x).peak_bytes
+        peak = measure(blocks_step, blocks, policy, x).peak_bytes
     assert [str(w.message) for w in caught] == []
     assert peak <= budget, (peak / MIB, budget / MIB)
     assert report is not None and report.feasible
@@ -114,21 +94,21 @@ def test_byte_budget_is_checked_against_the_measured_step_and_met() -> None:
 
 
 def _plain_grads(blocks: nn.ModuleList, x: torch.Tensor) -> list[torch.Tensor]:
-    _mlp_step(blocks, None, x)
+    blocks_step(blocks, None, x)
     return [p.grad.clone() for p in blocks.parameters()]  # type: ignore[union-attr]
 
 
 def test_budget_out_of_reach_warns_once_with_its_reasons() -> None:
     # Before: "8MiB" on an MLP whose parameters' gradients alone took 12 MiB: predicted
     # peak 8.000 MiB, measured 22.1 MiB, feasible=True, no warning.
-    blocks, x = _mlp(), torch.randn(256, 128)
+    blocks, x = mlp_blocks(), torch.randn(256, 128)
     grads = sum(p.numel() * p.element_size() for p in blocks.parameters())
     budget = grads // 2
     policy = memory_budget(budget, flops_per_byte=FPB, check=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(6):
-            _mlp_step(blocks, policy, x)
+            blocks_step(blocks, policy, x)
     measured = [str(w.message) for w in caught if "the step measured" in str(w.message)]
     assert len(measured) == 1, [str(w.message) for w in caught]
     message = measured[0]

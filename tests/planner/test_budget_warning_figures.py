@@ -17,34 +17,12 @@ import re
 import warnings
 
 import torch
-from torch import nn
+from models import blocks_step, mlp_blocks
 
-import ckpt_graph as cg
 from ckpt_graph.memory import measure
-from ckpt_graph.planner.memory_budget import MemoryBudget, memory_budget
+from ckpt_graph.planner.memory_budget import memory_budget
 
 FPB = 4.0
-
-
-def _mlp() -> nn.ModuleList:
-    torch.manual_seed(0)
-    return nn.ModuleList(
-        nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)) for _ in range(6)
-    )
-
-
-def _step(blocks: nn.ModuleList, policy: MemoryBudget | None, x: torch.Tensor) -> None:
-    for p in blocks.parameters():
-        p.grad = None
-    h = x
-    if policy is None:
-        for b in blocks:
-            h = b(h)
-    else:
-        with cg.save_recompute_policy(policy):
-            for b in blocks:
-                h = b(h)
-    h.pow(2).mean().backward()
 
 
 _NO_PLAN = re.compile(
@@ -54,8 +32,8 @@ _NO_PLAN = re.compile(
 
 
 def test_no_plan_warning_after_a_measured_replan_states_a_positive_excess() -> None:
-    blocks, x = _mlp(), torch.randn(256, 128)
-    plain = measure(_step, blocks, None, x).peak_bytes
+    blocks, x = mlp_blocks(), torch.randn(256, 128)
+    plain = measure(blocks_step, blocks, None, x).peak_bytes
     # Above the lowest simulated peak of the region (about 0.28x of the measured step
     # without checkpointing: 6 blocks, 128 -> 512 -> 128, batch 256), below it plus the
     # parameters' gradients the first planned step measures outside the plan's model.
@@ -64,7 +42,7 @@ def test_no_plan_warning_after_a_measured_replan_states_a_positive_excess() -> N
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(4):
-            _step(blocks, policy, x)
+            blocks_step(blocks, policy, x)
     messages = [str(w.message) for w in caught]
     no_plan = [m for m in messages if "no plan found" in m]
     assert no_plan, messages  # the re-plan with the measured correction does not fit
