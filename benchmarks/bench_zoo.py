@@ -323,7 +323,7 @@ def at_torch(rows: list[Row]) -> str:
     configuration: step peak / torch's and recomputed FLOPs / torch's (``(w)``: warned)."""
     out = [
         "| model | none MiB | "
-        + " | ".join(f"@ {t}: {t} MiB: peak, FLOPs vs torch" for t in TORCH)
+        + " | ".join(f"@ {t}: torch MiB: peak, FLOPs vs torch" for t in TORCH)
         + " | "
         + " | ".join(f"@ {t} less outside" for t in TORCH)
         + " | one region `recompute_all` vs torch-ckpt |",
