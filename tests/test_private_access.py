@@ -3,8 +3,8 @@ objects that own its state, of the policy context, of the ``memory_budget`` poli
 parts, and the private module-level names (functions, classes, constants) of any module of
 the package.
 
-Two rules, checked on the syntax tree of every module of the package, the tests, the
-benchmarks and the notebooks' code cells:
+Two rules, checked on the syntax tree of every module of the package, the tests and the
+benchmarks (rule 2 also on the examples and the notebooks' code cells):
 
 1. Fields: an attribute ``<expr>._name`` (or ``getattr``/``setattr``/``hasattr``/``delattr``
    with the constant ``"_name"``) where ``_name`` is a private attribute or method of one of
@@ -249,9 +249,10 @@ def private_module_names(source: str, path: str) -> list[tuple[int, str]]:
 
 
 def _sources() -> list[tuple[str, str]]:
-    """``(path, source)`` of every module of the package, test, benchmark and notebook."""
+    """``(path, source)`` of every module of the package, test, benchmark, example and
+    notebook."""
     out: list[tuple[str, str]] = []
-    for top in ("ckpt_graph", "tests", "benchmarks", "notebooks"):
+    for top in ("ckpt_graph", "tests", "benchmarks", "examples", "notebooks"):
         for file in sorted((ROOT / top).rglob("*.py")):
             out.append((file.relative_to(ROOT).as_posix(), file.read_text()))
     for file in sorted((ROOT / "notebooks").glob("*.ipynb")):
