@@ -16,6 +16,12 @@ side by side, round-robin):
   pinned (:data:`FLOPS_PER_BYTE`) so the plans do not depend on the machine's calibration;
   each budget forward plans on one step before it is measured.
 
+``--check`` makes every ``memory_budget`` point ``memory_budget(..., check=True)`` (Note
+[Measured budget check]): before it is measured, each runs :data:`CHECK_STEPS` steps, so that
+its first planned step is measured, a byte budget it missed is planned again once with the
+measured difference, and that step is measured and compared too. The rows are then measured
+as every other row; a ``(w)`` marks a point whose policy warned.
+
 Columns (the runner's measurements): measured step peak (``ckpt_graph.memory.measure``,
 CPU allocator events), recomputed FLOPs (FLOPs of the step minus those of ``none``: matmuls,
 convolutions, attention), median process CPU time of ``--repeat`` steps (one thread), max
@@ -28,21 +34,30 @@ dominates (peak, FLOPs and time all <=) or is dominated by.
 recompute (keep the linear layers' outputs) and ``memory_budget`` at 0.2 / 0.25 / 0.3, as
 step peak / none and recompute % of the step's FLOPs. The goal: <= 0.30x for <= +2.7%.
 
-Run: ``python benchmarks/bench_zoo.py [--models NAME ...] [--quick] [--anchor]
+Output: the markdown report (``--out``), and beside it the same rows as JSON (the ``--out``
+path with ``.json``: the run's settings and, per row, the model, its sizes, every
+:class:`~ckpt_graph.compare.runner.StrategyResult` field and whether the policy warned), which
+``notebooks/07_zoo.ipynb`` plots.
+
+Run: ``python benchmarks/bench_zoo.py [--models NAME ...] [--quick] [--check] [--anchor]
 [--out benchmarks/results_zoo.md]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
 import os
 import platform
 import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,6 +75,11 @@ FRACTIONS = (0.3, 0.5, 0.7)
 # Pinned FLOPs per byte moved by a memory-bound op (Note [Recompute cost model]): plans do not
 # change with the machine's load or calibration.
 FLOPS_PER_BYTE = 2.0
+# --check: steps each budget runs before it is measured. Step 1 records and plans; step 2 is
+# the first planned step, measured; step 3 starts by comparing it (planning again once if a
+# byte budget was missed) and is measured if it was; step 4 starts by comparing that one
+# (warning if the budget is still missed). See Note [Measured budget check].
+CHECK_STEPS = 4
 # --quick: a smoke run, each model at about a quarter of its default activations.
 QUICK: dict[str, dict[str, int]] = {
     name: {"batch": max(1, DEFAULTS[name].batch // 2), "seq_len": DEFAULTS[name].seq_len // 2}
@@ -84,23 +104,38 @@ def one_region(w: Workload, policy: object) -> Callable[[], object]:
     return forward
 
 
+@dataclass
+class Said:
+    """What the ``memory_budget`` points of one model said while they planned, by row key."""
+
+    notes: dict[str, str] = field(default_factory=dict)
+    reports: dict[str, object] = field(default_factory=dict)
+    warned: set[str] = field(default_factory=set)
+
+
 def planned(
-    w: Workload, budget: float | int, notes: dict[str, str], key: str, reports: dict[str, object]
+    w: Workload, budget: float | int, key: str, said: Said, check: bool = False
 ) -> Callable[[], object]:
-    """A one-region ``memory_budget`` forward that already planned (one step run here)."""
-    policy = memory_budget(budget, flops_per_byte=FLOPS_PER_BYTE)
+    """A one-region ``memory_budget`` forward that already planned: one step run here, or
+    :data:`CHECK_STEPS` with ``check`` (the measured check and its re-plan done)."""
+    policy = memory_budget(budget, flops_per_byte=FLOPS_PER_BYTE, check=check)
     forward = one_region(w, policy)
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for p in w.model.parameters():
-            p.grad = None
-        w.loss(forward()).backward()  # decided by the heuristic; the plan follows
-        report = policy.report()
-    reports[key] = report
+        for _ in range(CHECK_STEPS if check else 1):  # the first: decided by the heuristic
+            for p in w.model.parameters():
+                p.grad = None
+            w.loss(forward()).backward()
+        report = policy.report()  # also stops a measured check still running
+    said.reports[key] = report
     first = str(report).splitlines()[0] if report is not None else "no plan"
-    warned = f"; warned: {str(caught[0].message)[:160]}" if caught else ""
-    notes[key] = f"{first} (first step and plan {time.perf_counter() - t0:.1f} s){warned}"
+    steps = f"{CHECK_STEPS} checked steps" if check else "first step"
+    # The last warning: with check=True, the verdict of the measured check.
+    warned = f"; warned: {str(caught[-1].message)[:160]}" if caught else ""
+    said.notes[key] = f"{first} ({steps} and plan {time.perf_counter() - t0:.1f} s){warned}"
+    if caught:
+        said.warned.add(key)
     return forward
 
 
@@ -112,18 +147,19 @@ class Row:
     result: StrategyResult
     note: str
     sizes: str
+    warned: bool = False
 
 
-def run_model(name: str, sizes: dict[str, int], repeat: int) -> list[Row]:
-    """Every configuration of the module docstring on one model, timed side by side."""
+def run_model(name: str, sizes: dict[str, int], repeat: int, check: bool = False) -> list[Row]:
+    """Every configuration of the module docstring on one model, timed side by side;
+    ``check``: every ``memory_budget`` point with ``check=True``."""
     torch.manual_seed(0)
     w = build_workload(name, **sizes)  # type: ignore[arg-type]
     run = WorkloadRun(w, seed=0)
-    notes: dict[str, str] = {}
-    reports: dict[str, object] = {}
+    said = Said()
 
     def plan(budget: float | int, key: str) -> None:
-        run.add(key, lambda: planned(w, budget, notes, key, reports))
+        run.add(key, lambda: planned(w, budget, key, said, check))
 
     def torch_config(t: str) -> None:
         run.add(t, lambda: make_forward(t, w))
@@ -139,7 +175,7 @@ def run_model(name: str, sizes: dict[str, int], repeat: int) -> list[Row]:
         plan(f, f"memory_budget({f})")
     # The same torch peaks as activation budgets: less what the step holds outside the region
     # (none's step peak minus the activations the region keeps without checkpointing).
-    baseline = getattr(reports.get(f"memory_budget({FRACTIONS[0]})"), "baseline_bytes", None)
+    baseline = getattr(said.reports.get(f"memory_budget({FRACTIONS[0]})"), "baseline_bytes", None)
     none_peak = run.peak_bytes("none")
     for t in TORCH:
         peak = run.peak_bytes(t)
@@ -149,7 +185,10 @@ def run_model(name: str, sizes: dict[str, int], repeat: int) -> list[Row]:
             plan(budget, f"memory_budget @ {t} less outside")
     results = run.results(repeat)
     sizes_text = ", ".join(f"{k} {v}" for k, v in w.sizes.items())
-    return [Row(name, r, notes.get(r.strategy, r.note), sizes_text) for r in results]
+    return [
+        Row(name, r, said.notes.get(r.strategy, r.note), sizes_text, r.strategy in said.warned)
+        for r in results
+    ]
 
 
 def _cmp(a: float, b: float) -> str:
@@ -258,6 +297,69 @@ def summary(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+def _flops_vs(r: StrategyResult, t: StrategyResult) -> str:
+    """Recomputed FLOPs of ``r`` / those of ``t``; ``0`` when both recompute nothing,
+    ``+x G`` when only ``r`` does."""
+    rf, tf = r.extra_flops or 0, t.extra_flops or 0
+    if tf > 0:
+        return f"{rf / tf:.2f}x"
+    return "0" if rf == 0 else f"+{rf / 1e9:.3f}G"
+
+
+def _at_cell(mine: dict[str, Row], key: str, t: str, with_torch: bool) -> str:
+    """One cell of :func:`at_torch`: row ``key`` against torch configuration ``t``."""
+    row, x = mine.get(key), mine.get(t)
+    if row is None or x is None or row.result.status != "ok" or x.result.status != "ok":
+        return "-"
+    r, tr = row.result, x.result
+    assert r.peak_bytes and tr.peak_bytes
+    text = f"{r.peak_bytes / tr.peak_bytes:.2f}x, {_flops_vs(r, tr)}"
+    text += " (w)" if row.warned else ""
+    return f"{tr.peak_bytes / 2**20:.1f}: {text}" if with_torch else text
+
+
+def at_torch(rows: list[Row]) -> str:
+    """Per model, each ``memory_budget`` point set at a torch configuration's peak against that
+    configuration: step peak / torch's and recomputed FLOPs / torch's (``(w)``: warned)."""
+    out = [
+        "| model | none MiB | "
+        + " | ".join(f"@ {t}: torch MiB: peak, FLOPs vs torch" for t in TORCH)
+        + " | "
+        + " | ".join(f"@ {t} less outside" for t in TORCH)
+        + " | one region `recompute_all` vs torch-ckpt |",
+        "|---|---:|" + "---|" * (2 * len(TORCH) + 1),
+    ]
+    for model in dict.fromkeys(r.model for r in rows):
+        mine = {r.result.strategy: r for r in rows if r.model == model}
+        none = mine["none"].result
+        assert none.peak_bytes is not None
+        cells = [_at_cell(mine, f"memory_budget @ {t}", t, True) for t in TORCH]
+        cells += [_at_cell(mine, f"memory_budget @ {t} less outside", t, False) for t in TORCH]
+        cells.append(_at_cell(mine, "cg recompute_all", "torch-ckpt", False))
+        out.append(f"| {model} | {none.peak_bytes / 2**20:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def as_json(rows: list[Row], settings: dict[str, Any]) -> str:
+    """The run's ``settings`` and every row (each :class:`StrategyResult` field) as JSON."""
+    return json.dumps(
+        {
+            **settings,
+            "rows": [
+                {
+                    "model": row.model,
+                    "sizes": row.sizes,
+                    **dataclasses.asdict(row.result),
+                    "note": row.note,
+                    "warned": row.warned,
+                }
+                for row in rows
+            ],
+        },
+        indent=1,
+    )
+
+
 def anchor(repeat: int) -> str:
     """The Megatron anchor (see the module docstring) as a markdown table."""
     out = [
@@ -281,11 +383,10 @@ def anchor_rows(head: int, repeat: int) -> list[str]:
         eager_attention=True,
     )
     run = WorkloadRun(w, seed=0)
-    notes: dict[str, str] = {}
-    reports: dict[str, object] = {}
+    said = Said()
 
     def plan(budget: float, key: str) -> None:
-        run.add(key, lambda: planned(w, budget, notes, key, reports))
+        run.add(key, lambda: planned(w, budget, key, said))
 
     run.add("none", lambda: make_forward("none", w))
     run.add("torch-sac", lambda: make_forward("torch-sac", w))
@@ -303,7 +404,7 @@ def anchor_rows(head: int, repeat: int) -> list[str]:
         out.append(
             f"| {head} | {r.strategy} | {r.peak_bytes / 2**20:.1f} | {r.peak_ratio:.3f} "
             f"| {100 * (r.extra_flops or 0) / base.flops:+.2f}% | {r.cpu_time_ratio:.2f} "
-            f"| {r.max_grad_diff:.3g} | {notes.get(r.strategy, r.note)} |"
+            f"| {r.max_grad_diff:.3g} | {said.notes.get(r.strategy, r.note)} |"
         )
     return out
 
@@ -313,9 +414,14 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--quick", action="store_true", help="smaller sizes, 2 timed steps")
     parser.add_argument("--repeat", type=int, default=None, help="timed steps (default 5)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help=f"memory_budget(..., check=True) at every budget point ({CHECK_STEPS} steps each)",
+    )
     parser.add_argument("--anchor", action="store_true", help="add the Megatron anchor")
     parser.add_argument("--no-zoo", action="store_true", help="only the anchor")
-    parser.add_argument("--out", help="write the markdown report here")
+    parser.add_argument("--out", help="write the markdown report here, and the rows as .json")
     args = parser.parse_args()
     repeat = args.repeat or (2 if args.quick else 5)
     torch.set_num_threads(1)
@@ -323,34 +429,47 @@ def main() -> None:
     t0 = time.perf_counter()
     load = os.getloadavg()[0]
 
-    def report(sections: list[str]) -> str:
+    started = datetime.datetime.now(datetime.UTC)
+    check = "memory_budget(..., check=True); " if args.check else ""
+
+    def report(sections: list[str], rows: list[Row]) -> str:
         head = (
-            f"bench_zoo: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, torch "
+            f"bench_zoo: {started:%Y-%m-%d %H:%M} UTC, torch "
             f"{torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, 1 thread, load "
             f"{load:.1f} at start, {os.getloadavg()[0]:.1f} now; {repeat} timed steps; "
-            f"flops_per_byte={FLOPS_PER_BYTE}; {'--quick; ' if args.quick else ''}"
+            f"flops_per_byte={FLOPS_PER_BYTE}; {check}{'--quick; ' if args.quick else ''}"
             f"{time.perf_counter() - t0:.0f} s so far\n"
         )
         text = head + "\n" + "\n".join(sections) + "\n"
         if args.out:  # after every model, so that a run cut short keeps what it measured
-            with open(args.out, "w") as f:
-                f.write(text)
+            Path(args.out).write_text(text)
+            settings = {
+                "started_utc": f"{started:%Y-%m-%d %H:%M}",
+                "torch": torch.__version__,
+                "repeat": repeat,
+                "check": args.check,
+                "quick": args.quick,
+                "flops_per_byte": FLOPS_PER_BYTE,
+                "seconds": round(time.perf_counter() - t0),
+            }
+            Path(args.out).with_suffix(".json").write_text(as_json(rows, settings) + "\n")
         return text
 
     sections: list[str] = []
+    rows: list[Row] = []
     if not args.no_zoo:
-        rows: list[Row] = []
         for m in args.models:
             sizes = dict(QUICK[m]) if args.quick else {}
             t = time.perf_counter()
-            rows += run_model(m, sizes, repeat)
+            rows += run_model(m, sizes, repeat, args.check)
             print(f"{m} done ({time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)
-            sections = ["## Summary", "", summary(rows), "", "## Every configuration", ""]
-            sections.append(table(rows))
-            report(sections)
+            sections = ["## Summary", "", summary(rows), ""]
+            sections += ["## memory_budget at torch's peaks", "", at_torch(rows), ""]
+            sections += ["## Every configuration", "", table(rows)]
+            report(sections, rows)
     if args.anchor:
         sections += ["", "## Megatron anchor", "", anchor(max(2, repeat // 2))]
-    print(report(sections))
+    print(report(sections, rows))
 
 
 if __name__ == "__main__":

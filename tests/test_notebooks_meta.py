@@ -19,6 +19,7 @@ EXPECTED = {
     "04_transformers.ipynb",
     "05_flat_grads.ipynb",
     "06_inplace_abn.ipynb",
+    "07_zoo.ipynb",
 }
 
 

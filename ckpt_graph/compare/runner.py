@@ -29,10 +29,10 @@ from ckpt_graph.compare.strategies import (
     DEFAULT_BUDGET,
     DEFAULT_STRATEGIES,
     STRATEGIES,
+    Forward,
     StrategySkipped,
-    _Forward,
-    _policy_note,
     make_forward,
+    policy_note,
 )
 from ckpt_graph.compare.zoo import Workload, WorkloadError, build_workload
 from ckpt_graph.engine.flops import estimate_flops
@@ -100,7 +100,7 @@ class StrategyResult:
         return f"{self.strategy}: peak {mib}, step {ms}, max |grad diff| {self.max_grad_diff}"
 
 
-def _step(w: Workload, forward: _Forward) -> None:
+def _step(w: Workload, forward: Forward) -> None:
     for p in w.model.parameters():
         p.grad = None
     w.loss(forward()).backward()
@@ -308,7 +308,7 @@ class WorkloadRun:
         self._tick = tick or (lambda label: None)
         self._initial = {k: v.clone() for k, v in w.model.state_dict().items()}
         self._params = list(w.model.parameters())
-        self._forwards: dict[str, _Forward] = {}
+        self._forwards: dict[str, Forward] = {}
         self._figures: dict[str, dict[str, Any]] = {}
         self._ref: dict[str, Any] = {}
 
@@ -317,7 +317,7 @@ class WorkloadRun:
         fig = self._figures.get(name, {})
         return fig.get("peak_bytes") if fig.get("status") == "ok" else None
 
-    def add(self, name: str, make: Callable[[], _Forward]) -> bool:
+    def add(self, name: str, make: Callable[[], Forward]) -> bool:
         """Build a forward with ``make()`` and measure one step of it under ``name``.
 
         One warm-up step, one step under ``measure`` (peak memory, gradients, buffers), one
@@ -349,7 +349,7 @@ class WorkloadRun:
             fig["max_grad_diff"] = _max_diff(grads, self._ref["grads"])
             fig["max_buffer_diff"] = _max_diff(buffers, self._ref["buffers"])
             _log.info("%s: measured step, peak %s bytes", name, fig.get("peak_bytes", "?"))
-            if note := _policy_note(forward):
+            if note := policy_note(forward):
                 fig["note"] = note
                 _log.info("%s: %s", name, note)
             if self.count_ops:

@@ -32,8 +32,10 @@ __all__ = [
     "DEFAULT_BUDGET",
     "DEFAULT_STRATEGIES",
     "STRATEGIES",
+    "Forward",
     "StrategySkipped",
     "make_forward",
+    "policy_note",
 ]
 
 aten = torch.ops.aten
@@ -72,7 +74,7 @@ class StrategySkipped(Exception):
 
 
 # A strategy maps a workload to a function running one forward under that strategy.
-_Forward = Callable[[], object]
+Forward = Callable[[], object]
 
 
 @contextlib.contextmanager
@@ -139,7 +141,7 @@ def make_forward(
     *,
     budget: float | int = DEFAULT_BUDGET,
     policy_name: str = "save_matmuls",
-) -> _Forward:
+) -> Forward:
     """Return a function running one forward of ``w`` under strategy ``name``.
 
     ``budget`` is the memory_budget of cg-budget: a fraction of the activation memory
@@ -155,7 +157,7 @@ def make_forward(
     def plain() -> object:
         return model(*inputs)
 
-    def per_block(wrap: Callable[[int, Callable[..., Any]], Callable[..., Any] | None]) -> _Forward:
+    def per_block(wrap: Callable[[int, Callable[..., Any]], Callable[..., Any] | None]) -> Forward:
         def forward() -> object:
             with _patched_forwards(blocks, wrap):
                 return model(*inputs)
@@ -234,7 +236,9 @@ def make_forward(
 _POLICIES: weakref.WeakKeyDictionary[Callable[[], object], object] = weakref.WeakKeyDictionary()
 
 
-def _policy_note(forward: _Forward) -> str:
+def policy_note(forward: Forward) -> str:
+    """The first line of the report of the policy behind a one-region ``forward`` (e.g.
+    ``memory_budget``'s plan), or "" when it has none."""
     report = getattr(_POLICIES.get(forward), "report", None)
     if not callable(report):
         return ""

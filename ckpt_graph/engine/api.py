@@ -29,7 +29,7 @@ from ckpt_graph.engine.region import (
     nested_block_hooks,
     open_region,
 )
-from ckpt_graph.engine.torch_sac import TorchSACPolicy
+from ckpt_graph.engine.torch_sac import policy_from_context_fn
 
 __all__ = ["checkpoint", "save_recompute_policy", "tag_with_policy"]
 
@@ -229,38 +229,12 @@ def checkpoint(
             UserWarning,
             stacklevel=2,
         )
-    inner = _policy_from_context_fn(context_fn)
+    inner = policy_from_context_fn(context_fn)
     with save_recompute_policy(policy, debug=debug):
         if inner is None:
             return fn(*args, **kwargs)
         with save_recompute_policy(inner):
             return fn(*args, **kwargs)
-
-
-def _policy_from_context_fn(context_fn: Callable[[], Any] | None) -> Any:
-    """torch's SAC ``context_fn`` as a ckpt_graph policy (None for none or torch's no-op).
-
-    Relies on torch's private ``_CachingTorchDispatchMode.policy_fn`` (pinned by a test in
-    tests/integration/test_checkpoint_dropin.py): torch has no public accessor for it.
-    """
-    from torch.utils import checkpoint as torch_checkpoint
-
-    if context_fn is None or context_fn is torch_checkpoint.noop_context_fn:
-        return None
-    contexts = context_fn()
-    forward_ctx = contexts[0] if isinstance(contexts, tuple) and len(contexts) == 2 else None
-    policy_fn = getattr(forward_ctx, "policy_fn", None)
-    caching_mode = getattr(torch_checkpoint, "_CachingTorchDispatchMode", None)
-    if caching_mode is None or not isinstance(forward_ctx, caching_mode) or policy_fn is None:
-        raise CkptGraphError(
-            f"ckpt_graph: checkpoint(context_fn={getattr(context_fn, '__qualname__', context_fn)!r}) "
-            f"returned {contexts!r}, which is not torch's selective checkpointing pair from "
-            "create_selective_checkpoint_contexts; a region records aten ops itself and cannot "
-            "run other context managers around its recompute. Pass "
-            "policy=ckpt_graph.policies.from_torch_sac(policy_fn) instead, or enter the "
-            "context managers inside the checkpointed function"
-        )
-    return TorchSACPolicy(policy_fn)
 
 
 def tag_with_policy(tensor: torch.Tensor, policy: CheckpointPolicy | bool) -> torch.Tensor:

@@ -14,7 +14,14 @@ from ckpt_graph.engine.graph import Handle
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
 
-__all__ = ["SDPA_NO_FORMULA", "estimate_flops", "has_flop_formula", "node_flops"]
+__all__ = [
+    "FLOPS_MEMO",
+    "FLOPS_MEMO_SIZE",
+    "SDPA_NO_FORMULA",
+    "estimate_flops",
+    "has_flop_formula",
+    "node_flops",
+]
 
 
 _aten = torch.ops.aten
@@ -53,7 +60,7 @@ def estimate_flops(op: Any, out: Any, args: Any, kwargs: Any) -> int:
         hash(key)
     except TypeError:  # an unhashable argument: compute without the memo
         key = None
-    if key is not None and (hit := _FLOPS_MEMO.get(key)) is not None:
+    if key is not None and (hit := FLOPS_MEMO.get(key)) is not None:
         return hit
     try:
         if sdpa:
@@ -64,9 +71,9 @@ def estimate_flops(op: Any, out: Any, args: Any, kwargs: Any) -> int:
     except Exception:  # a formula that does not understand this overload: unknown cost
         flops = 0
     if key is not None:
-        if len(_FLOPS_MEMO) >= _FLOPS_MEMO_SIZE:
-            _FLOPS_MEMO.clear()
-        _FLOPS_MEMO[key] = flops
+        if len(FLOPS_MEMO) >= FLOPS_MEMO_SIZE:
+            FLOPS_MEMO.clear()
+        FLOPS_MEMO[key] = flops
     return flops
 
 
@@ -79,8 +86,8 @@ def estimate_flops(op: Any, out: Any, args: Any, kwargs: Any) -> int:
 # on the op overload, each tensor's shape and dtype, and the other arguments as they are.
 # Unhashable arguments skip the memo. The memo is bounded: it is cleared when full, so
 # variable shapes cannot grow it without limit.
-_FLOPS_MEMO: dict[tuple[Any, ...], int] = {}
-_FLOPS_MEMO_SIZE = 4096
+FLOPS_MEMO: dict[tuple[Any, ...], int] = {}
+FLOPS_MEMO_SIZE = 4096
 
 
 def _shape_key(x: Any) -> Any:

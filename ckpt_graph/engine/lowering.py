@@ -80,6 +80,7 @@ from ckpt_graph.engine.decisions import (
 )
 from ckpt_graph.engine.flops import estimate_flops
 from ckpt_graph.engine.op_info import op_info
+from ckpt_graph.engine.torch_sac import policy_from_context_fn
 
 __all__ = [
     "CompileContext",
@@ -421,9 +422,7 @@ def lowered_contexts(
     if outer is not None:  # See Note [Regions under torch.compile] (7)
         stack = [*outer.stack, *stack]
     if inner is not None:
-        from ckpt_graph.engine.api import _policy_from_context_fn  # late: api imports us
-
-        torch_policy = _policy_from_context_fn(inner)
+        torch_policy = policy_from_context_fn(inner)
         if torch_policy is not None:
             stack.append(torch_policy)
     return create_selective_checkpoint_contexts(  # type: ignore[no-any-return]

@@ -32,12 +32,12 @@ from ckpt_graph.engine.op_info import UNANNOTATED_ALIASES
 from ckpt_graph.engine.pass_graph import collect
 from ckpt_graph.engine.passes import begin_pass, end_pass, live_forward
 from ckpt_graph.engine.replay import (
-    _call,
-    _enter_replay,
-    _exit_replay,
-    _fresh_alias,
+    enter_replay,
     exact_copy,
+    exit_replay,
+    fresh_alias,
     note_recompute_failure,
+    replay_op,
 )
 
 if TYPE_CHECKING:
@@ -105,11 +105,11 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
     state = region.pass_state
     core = state.core
     assert core is not None
-    replay = _enter_replay(region)  # set up by hand: it runs once per unpack that recomputes
+    replay = enter_replay(region)  # set up by hand: it runs once per unpack that recomputes
     try:
         core.realize(state.index[h])
     finally:
-        _exit_replay(region, replay)
+        exit_replay(region, replay)
     if h.cache is None:
         raise CkptGraphError(
             f"ckpt_graph: internal error: {h!r} was not realized; please report this with the "
@@ -225,7 +225,7 @@ def run_node(region: Region, node: OpNode) -> tuple[Any, ...]:
         if info.is_inplace_view:
             # See Note [Mutation and views], rule 7: the replay must not bump the version
             # counter of the value it reads (a kept value is checked against its version).
-            v = v if alone else _fresh_alias(v)
+            v = v if alone else fresh_alias(v)
         elif not alone:
             v = exact_copy(v)
         if isinstance(w, int):
@@ -235,9 +235,9 @@ def run_node(region: Region, node: OpNode) -> tuple[Any, ...]:
     try:
         if torch.autograd.profiler._is_profiler_enabled:
             with torch.profiler.record_function(f"ckpt_graph::recompute::{info.name}"):
-                out = _call(node, args, kwargs)
+                out = replay_op(node, args, kwargs)
         else:
-            out = _call(node, args, kwargs)
+            out = replay_op(node, args, kwargs)
     except Exception as e:  # See Note [Errors raised by a recomputed op].
         note_recompute_failure(e, node)
         raise
@@ -280,7 +280,7 @@ def realize_again(region: Region, h: Handle) -> torch.Tensor:
     # id(handle) -> value of this call. No closures over it: a nested function that
     # calls itself is a reference cycle, which would keep the values until a gc pass.
     local: dict[int, torch.Tensor] = {}
-    replay = _enter_replay(region)
+    replay = enter_replay(region)
     try:
         for index in order:
             node = nodes[index]
@@ -299,7 +299,7 @@ def realize_again(region: Region, h: Handle) -> torch.Tensor:
                     else:
                         kwargs[w] = v
             try:
-                out = _call(node, args, kwargs)
+                out = replay_op(node, args, kwargs)
             except Exception as e:  # See Note [Errors raised by a recomputed op].
                 note_recompute_failure(e, node)
                 raise
@@ -307,7 +307,7 @@ def realize_again(region: Region, h: Handle) -> torch.Tensor:
                 if o is not None:
                     local[id(o)] = v
     finally:
-        _exit_replay(region, replay)
+        exit_replay(region, replay)
     return local[id(h)]
 
 

@@ -17,7 +17,7 @@ from ckpt_graph.engine.graph import Handle
 from ckpt_graph.engine.mutation.failed_writes import restore, write_state
 from ckpt_graph.engine.mutation.silent_writes import keep_silently_written
 from ckpt_graph.engine.mutation.writes import before_write
-from ckpt_graph.engine.op_info import _OP_INFO, OpInfo, op_info
+from ckpt_graph.engine.op_info import OpInfo, op_info
 from ckpt_graph.engine.outputs import decide, record_node
 from ckpt_graph.engine.replay import capture_rng
 
@@ -102,7 +102,7 @@ class _OpEntry:
 
     def __init__(self, op: Any) -> None:
         self.op = op  # pins the object, so that its id is not reused while cached
-        self.info = info = _OP_INFO.get(op) or op_info(op)
+        self.info = info = op_info(op)
         self.call = op._op if type(op) is OpOverload else op
         self.special = bool(info.writes or info.is_random or info.options)
 

@@ -13,7 +13,7 @@ state captured when they were recorded (``capture_rng``).
 # cannot address (``capture_rng`` returns ``None``), the outputs of a random op are
 # kept for the engine reason ``RANDOM_WITHOUT_REPLAY``, which no policy or tag overrides.
 #
-# Replay context (``_enter_replay``, for ``realize`` and ``realize_again``): no grad
+# Replay context (``enter_replay``, for ``realize`` and ``realize_again``): no grad
 # (unpacked values must be plain tensors; autograd re-attaches them to the original graph,
 # which also makes ``create_graph=True`` work), autocast off (the recorded ops already carry
 # the casts autocast made), nothing recorded, the forward's settings (Note [Replay globals]).
@@ -35,10 +35,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REPLAY_GLOBALS",
+    "Replay",
     "capture_rng",
+    "enter_replay",
     "exact_copy",
+    "exit_replay",
+    "fresh_alias",
     "note_recompute_failure",
     "replay_globals",
+    "replay_op",
 ]
 
 
@@ -130,12 +135,13 @@ def _replay_globals(region: Region) -> Iterator[None]:
             REPLAY_GLOBALS[i][2](v)
 
 
-_Replay = tuple[bool, bool, Any, Any]
+# What enter_replay saved for exit_replay: recording on, grad mode, autocast and settings managers.
+Replay = tuple[bool, bool, Any, Any]
 
 
-def _enter_replay(region: Region) -> _Replay:
+def enter_replay(region: Region) -> Replay:
     """Enter the replay context (see Note [Realize order]): nothing recorded, no grad, no
-    autocast, the forward's settings. Returns what :func:`_exit_replay` restores.
+    autocast, the forward's settings. Returns what :func:`exit_replay` restores.
 
     Plain functions rather than a context manager: this runs once per unpack that
     recomputes, where a generator-based manager costs measurable time.
@@ -153,8 +159,8 @@ def _enter_replay(region: Region) -> _Replay:
     return recording, grad_was, autocast, settings
 
 
-def _exit_replay(region: Region, replay: _Replay) -> None:
-    """Leave the replay context entered by :func:`_enter_replay`."""
+def exit_replay(region: Region, replay: Replay) -> None:
+    """Leave the replay context entered by :func:`enter_replay`."""
     recording, grad_was, autocast, settings = replay
     settings.__exit__(None, None, None)
     if autocast is not None:
@@ -163,7 +169,7 @@ def _exit_replay(region: Region, replay: _Replay) -> None:
     region.recording.on = recording
 
 
-def _fresh_alias(t: torch.Tensor) -> torch.Tensor:
+def fresh_alias(t: torch.Tensor) -> torch.Tensor:
     """An alias of ``t`` (same storage and geometry) with a version counter of its own."""
     with torch._C._AutoDispatchBelowADInplaceOrView():
         alias = t.as_strided(t.size(), t.stride(), t.storage_offset())
@@ -185,7 +191,11 @@ _GRAD_MODE_OPS = frozenset(
 _GRAD_MODE_IDS = frozenset(id(op) for op in _GRAD_MODE_OPS)  # OpOverload.__hash__ is Python
 
 
-def _call(node: OpNode, args: list[Any], kwargs: dict[str, Any]) -> Any:
+def replay_op(node: OpNode, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """Run ``node``'s op on ``args`` as the forward ran it: random ops from the generator
+    state they recorded (Note [RNG replay]), grad-mode readers with grad enabled (Note [Ops
+    that read grad mode]).
+    """
     op: Any = node.op
     if id(op) in _GRAD_MODE_IDS:
         with torch._C._AutoDispatchBelowAutograd(), torch.enable_grad():

@@ -12,13 +12,21 @@ from __future__ import annotations
 import inspect
 import types
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ckpt_graph._errors import CkptGraphError
 from ckpt_graph.engine.decisions import PROTOCOL_NAMES, PolicyFn, policy_name
 
-__all__ = ["TorchSACPolicy", "adapt_if_torch_sac", "adapt_torch_sac", "has_torch_sac_signature"]
+__all__ = [
+    "TorchSACPolicy",
+    "adapt_if_torch_sac",
+    "adapt_torch_sac",
+    "has_torch_sac_signature",
+    "policy_from_context_fn",
+]
 
 
 class _TorchSACContext:
@@ -122,3 +130,29 @@ def adapt_torch_sac(policy: Any) -> PolicyFn:
 def adapt_if_torch_sac(policy: PolicyFn) -> PolicyFn:
     """``policy`` itself, or adapted with a warning if it has torch SAC's signature."""
     return adapt_torch_sac(policy) if has_torch_sac_signature(policy) else policy
+
+
+def policy_from_context_fn(context_fn: Callable[[], Any] | None) -> TorchSACPolicy | None:
+    """torch's SAC ``context_fn`` as a ckpt_graph policy (None for none or torch's no-op).
+
+    Relies on torch's private ``_CachingTorchDispatchMode.policy_fn`` (pinned by a test in
+    tests/integration/test_checkpoint_dropin.py): torch has no public accessor for it.
+    """
+    from torch.utils import checkpoint as torch_checkpoint
+
+    if context_fn is None or context_fn is torch_checkpoint.noop_context_fn:
+        return None
+    contexts = context_fn()
+    forward_ctx = contexts[0] if isinstance(contexts, tuple) and len(contexts) == 2 else None
+    policy_fn = getattr(forward_ctx, "policy_fn", None)
+    caching_mode = getattr(torch_checkpoint, "_CachingTorchDispatchMode", None)
+    if caching_mode is None or not isinstance(forward_ctx, caching_mode) or policy_fn is None:
+        raise CkptGraphError(
+            f"ckpt_graph: checkpoint(context_fn={getattr(context_fn, '__qualname__', context_fn)!r}) "
+            f"returned {contexts!r}, which is not torch's selective checkpointing pair from "
+            "create_selective_checkpoint_contexts; a region records aten ops itself and cannot "
+            "run other context managers around its recompute. Pass "
+            "policy=ckpt_graph.policies.from_torch_sac(policy_fn) instead, or enter the "
+            "context managers inside the checkpointed function"
+        )
+    return TorchSACPolicy(policy_fn)

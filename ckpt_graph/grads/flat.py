@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ckpt_graph._errors import CkptGraphError, CkptGraphTypeError, CkptGraphValueError
-from ckpt_graph.grads.layout import _ALIGN_BYTES, _collect, _Slot, _slot_stride, _State
+from ckpt_graph.grads.layout import ALIGN_BYTES, Slot, SlotState, collect_params, slot_stride
 
 __all__ = ["FlatGrads"]
 
@@ -126,7 +126,7 @@ class FlatGrads:
         params_or_module: nn.Module | Iterable[torch.Tensor],
         dtype: torch.dtype | None = None,
     ) -> None:
-        named = _collect(params_or_module)
+        named = collect_params(params_or_module)
         if dtype is not None:
             for name, p in named:
                 if p.dtype != dtype:
@@ -136,14 +136,14 @@ class FlatGrads:
                         "dtype (e.g. [p for p in model.parameters() if p.dtype == dtype])"
                     )
         sizes: dict[tuple[torch.device, torch.dtype], int] = {}
-        self._slots: list[_Slot] = []
-        self._by_param: dict[int, _Slot] = {}
+        self._slots: list[Slot] = []
+        self._by_param: dict[int, Slot] = {}
         for name, p in named:
             key = (p.device, p.dtype)
-            align = max(1, _ALIGN_BYTES // p.element_size())
+            align = max(1, ALIGN_BYTES // p.element_size())
             offset = -(-sizes.get(key, 0) // align) * align
             sizes[key] = offset + p.numel()
-            slot = _Slot(p, name, key, offset, tuple(p.shape), _slot_stride(p))
+            slot = Slot(p, name, key, offset, tuple(p.shape), slot_stride(p))
             self._slots.append(slot)
             self._by_param[id(p)] = slot
         self._buffers = {
@@ -159,7 +159,7 @@ class FlatGrads:
             if p.grad is not None:
                 with torch.no_grad():
                     view.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
-                slot.state = _State.FULL
+                slot.state = SlotState.FULL
             p.grad = view
             # Holding the AccumulateGrad node keeps it the one the engine runs for `p`.
             # See Note [Gradient adoption], condition (c).
@@ -230,7 +230,7 @@ class FlatGrads:
                 buf.zero_()
         for slot in self._slots:
             p = slot.param
-            if (p.device, p.dtype, tuple(p.shape), _slot_stride(p)) != slot.layout:
+            if (p.device, p.dtype, tuple(p.shape), slot_stride(p)) != slot.layout:
                 dev, dt, shape, stride = slot.layout
                 raise CkptGraphError(
                     f"ckpt_graph: FlatGrads: {slot.name} is now {p.device}/{p.dtype} with shape "
@@ -240,7 +240,7 @@ class FlatGrads:
                 )
             if not self._is_attached(slot, p.grad):
                 p.grad = self._view(slot)
-            slot.state = _State.EMPTY
+            slot.state = SlotState.EMPTY
 
     def remove(self) -> None:
         """Removes the hooks; ``.grad`` views stay valid but are no longer kept in the buffer."""
@@ -265,13 +265,15 @@ class FlatGrads:
             >>> grad_w = torch.mm(g.t(), x, out=dst) if dst is not None else g.t() @ x  # doctest: +SKIP
         """
         slot = self._slot(param)
-        if slot.state is _State.HANDED:
+        if slot.state is SlotState.HANDED:
             slot.shared = True
             return None
         if slot.shared or torch.is_grad_enabled():
             return None
         grad = param.grad
-        if grad is not None and not (slot.state is _State.EMPTY and self._is_attached(slot, grad)):
+        if grad is not None and not (
+            slot.state is SlotState.EMPTY and self._is_attached(slot, grad)
+        ):
             return None
         will_execute = getattr(torch._C, "_will_engine_execute_node", None)
         try:
@@ -280,7 +282,7 @@ class FlatGrads:
             return None
         if not will_run:
             return None
-        slot.state = _State.HANDED
+        slot.state = SlotState.HANDED
         param.grad = None
         return self._view(slot)
 
@@ -299,7 +301,7 @@ class FlatGrads:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _slot(self, param: torch.Tensor) -> _Slot:
+    def _slot(self, param: torch.Tensor) -> Slot:
         slot = self._by_param.get(id(param))
         if slot is None or slot.param is not param:
             raise CkptGraphValueError(
@@ -308,27 +310,27 @@ class FlatGrads:
             )
         return slot
 
-    def _view(self, slot: _Slot) -> torch.Tensor:
+    def _view(self, slot: Slot) -> torch.Tensor:
         return self._buffers[slot.key].as_strided(slot.shape, slot.stride, slot.offset)
 
-    def _is_attached(self, slot: _Slot, grad: torch.Tensor | None) -> bool:
+    def _is_attached(self, slot: Slot, grad: torch.Tensor | None) -> bool:
         if grad is None or grad.layout != torch.strided:
             return False
         if grad.numel() == 0:
             return True
         return grad.data_ptr() == slot.ptr and tuple(grad.stride()) == slot.stride
 
-    def _after_accumulate(self, slot: _Slot) -> None:
+    def _after_accumulate(self, slot: Slot) -> None:
         p = slot.param
         grad = p.grad
-        state, slot.state = slot.state, _State.FULL
+        state, slot.state = slot.state, SlotState.FULL
         if grad is None or self._is_attached(slot, grad) or grad.requires_grad:
             return
         view = self._view(slot)
         with torch.no_grad():
             view.copy_(grad.to_dense() if grad.is_sparse else grad)
         p.grad = view
-        if state is _State.HANDED and not slot.shared:
+        if state is SlotState.HANDED and not slot.shared:
             self._warn_once(
                 "handed",
                 f"ckpt_graph: FlatGrads: the gradient of {slot.name} was written into its "
@@ -337,7 +339,7 @@ class FlatGrads:
                 "copied into the buffer: two extra reads and two extra writes per element. See "
                 "Note [Gradient adoption] in ckpt_graph/grads/flat.py",
             )
-        elif state is not _State.HANDED and not torch.is_grad_enabled():  # not create_graph
+        elif state is not SlotState.HANDED and not torch.is_grad_enabled():  # not create_graph
             self._warn_once(
                 "detached",
                 f"ckpt_graph: FlatGrads: {slot.name}.grad was not its buffer view after its "
@@ -355,7 +357,7 @@ class FlatGrads:
 
 
 def _make_hook(
-    flat_ref: weakref.ReferenceType[FlatGrads], slot: _Slot
+    flat_ref: weakref.ReferenceType[FlatGrads], slot: Slot
 ) -> Callable[[torch.Tensor], None]:
     # A weak reference, so parameters do not keep their FlatGrads (and its buffers) alive.
     def hook(_param: torch.Tensor) -> None:

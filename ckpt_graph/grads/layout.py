@@ -12,17 +12,19 @@ from torch import nn
 
 from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
 
-__all__: list[str] = []
+__all__ = ["ALIGN_BYTES", "Slot", "SlotState", "collect_params", "slot_stride"]
 
 
-class _State(enum.Enum):
+class SlotState(enum.Enum):
+    """What a parameter's slice of the buffer holds during a backward pass."""
+
     EMPTY = 0  # slice zeroed by zero_(); no gradient arrived since
     FULL = 1  # slice holds a gradient that later ones accumulate into
     HANDED = 2  # slice handed out by grad_destination in the current pass
 
 
 @dataclasses.dataclass(eq=False, slots=True)
-class _Slot:
+class Slot:
     """Where one parameter's gradient lives in its buffer."""
 
     param: torch.Tensor
@@ -32,7 +34,7 @@ class _Slot:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     ptr: int = 0  # address of the slice's first element
-    state: _State = _State.EMPTY
+    state: SlotState = SlotState.EMPTY
     shared: bool = False  # seen twice in one backward pass: never handed out again
     acc_node: Any = None  # p's AccumulateGrad node
     hook: Any = None
@@ -42,7 +44,8 @@ class _Slot:
         return (self.key[0], self.key[1], self.shape, self.stride)
 
 
-_ALIGN_BYTES = 64
+# Each slot starts at a multiple of this many bytes in its buffer.
+ALIGN_BYTES = 64
 
 
 def _is_dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -56,7 +59,7 @@ def _is_dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def _slot_stride(p: torch.Tensor) -> tuple[int, ...]:
+def slot_stride(p: torch.Tensor) -> tuple[int, ...]:
     """Strides that obey the layout contract for ``p`` (see Note [Gradient adoption])."""
     size, stride = tuple(p.shape), tuple(p.stride())
     if not _is_dense(size, stride):
@@ -64,9 +67,15 @@ def _slot_stride(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(1 if sz == 1 and st == 0 else st for sz, st in zip(size, stride, strict=True))
 
 
-def _collect(
+def collect_params(
     params_or_module: nn.Module | Iterable[torch.Tensor],
 ) -> list[tuple[str, torch.Tensor]]:
+    """The distinct leaf parameters that require grad, with the names errors use.
+
+    Raises:
+        CkptGraphTypeError: a single tensor, or an element that is not a tensor.
+        CkptGraphValueError: a parameter that is not a leaf.
+    """
     if isinstance(params_or_module, nn.Module):
         named: list[tuple[str, torch.Tensor]] = list(params_or_module.named_parameters())
     elif isinstance(params_or_module, torch.Tensor):

@@ -53,11 +53,18 @@ import torch
 from torch.utils import checkpoint as torch_checkpoint
 
 from ckpt_graph._errors import CkptGraphError, CkptGraphValueError
-from ckpt_graph.engine.api import _policy_from_context_fn, save_recompute_policy
-from ckpt_graph.engine.torch_sac import TorchSACPolicy
+from ckpt_graph.engine.api import save_recompute_policy
+from ckpt_graph.engine.torch_sac import TorchSACPolicy, policy_from_context_fn
 from ckpt_graph.integrations.activity import labelled_region
 
-__all__ = ["Block", "enter_block", "exit_block", "installed"]
+__all__ = [
+    "FORWARD_PACK",
+    "REPLAY_PACK",
+    "Block",
+    "enter_block",
+    "exit_block",
+    "installed",
+]
 
 _GENERATOR = "_checkpoint_without_reentrant_generator"
 _FUNCTION = "CheckpointFunction"
@@ -202,8 +209,10 @@ def _pack_code(hook_class: Any) -> types.CodeType | None:
     return None
 
 
-_FORWARD_PACK = _pack_code(_TORCH_HOOK)
-_REPLAY_PACK = _pack_code(getattr(torch_checkpoint, "_recomputation_hook", None))
+# The code of torch's pack hooks in forward and in its recompute: a pack hook whose code is
+# one of these leads to torch's frame (tests pin that torch still defines them).
+FORWARD_PACK = _pack_code(_TORCH_HOOK)
+REPLAY_PACK = _pack_code(getattr(torch_checkpoint, "_recomputation_hook", None))
 
 
 def _closure(fn: Any, name: str) -> Any:
@@ -227,9 +236,9 @@ def _enclosing_frame() -> tuple[Any, bool] | None:
         return None
     pack = getattr(top[0], "__wrapped__", top[0])  # the replay's pack hook is dynamo-disabled
     code = getattr(pack, "__code__", None)
-    if code is None or code not in (_FORWARD_PACK, _REPLAY_PACK):
+    if code is None or code not in (FORWARD_PACK, REPLAY_PACK):
         return None
-    if code is _FORWARD_PACK:
+    if code is FORWARD_PACK:
         return _closure(pack, "frame"), False
     frame = _closure(pack, "target_frame_ref")()
     return (frame, True) if frame is not None else None
@@ -315,7 +324,7 @@ def _translated(context_fn: Any) -> tuple[bool, TorchSACPolicy | None]:
     if isinstance(contexts, tuple) and isinstance(contexts[0], contextlib.nullcontext):
         return True, None
     try:
-        return True, _policy_from_context_fn(lambda: contexts)
+        return True, policy_from_context_fn(lambda: contexts)
     except CkptGraphError:
         return False, None
 

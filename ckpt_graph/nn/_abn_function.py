@@ -20,7 +20,13 @@ from torch.autograd.function import once_differentiable
 
 from ckpt_graph._errors import CkptGraphError, CkptGraphValueError
 
-__all__ = ["ACTIVATIONS", "inplace_abn"]
+__all__ = [
+    "ACTIVATIONS",
+    "BASELINE_STORAGE_REFS",
+    "inplace_abn",
+    "storage_refs",
+    "tensor_refs",
+]
 
 ACTIVATIONS = ("leaky_relu", "elu", "identity")
 
@@ -103,11 +109,12 @@ def _chunks(*tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
         yield tuple(t.narrow(dim, start, min(step, size - start)) for t in tensors)
 
 
-def _storage_refs(t: torch.Tensor) -> int:
+def storage_refs(t: torch.Tensor) -> int:
+    """C++ references to `t`'s storage (each TensorImpl on it counts once)."""
     return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
 
 
-def _tensor_refs(t: torch.Tensor) -> int:
+def tensor_refs(t: torch.Tensor) -> int:
     """C++ references to `t`'s TensorImpl (a Python object counts once)."""
     return int(t._use_count())  # type: ignore[attr-defined]
 
@@ -141,10 +148,10 @@ def _measure_baselines() -> tuple[int, int]:
         y = _Probe.apply(torch.zeros(2, requires_grad=True))
         node = y.grad_fn
         (y * 2.0).sum().backward()  # y's gradient: a fresh tensor made by MulBackward
-    return int(node.refs[0]), _storage_refs(torch.empty(1))  # type: ignore[union-attr]
+    return int(node.refs[0]), storage_refs(torch.empty(1))  # type: ignore[union-attr]
 
 
-_BASELINE_PYTHON_REFS, _BASELINE_STORAGE_REFS = _measure_baselines()
+_BASELINE_PYTHON_REFS, BASELINE_STORAGE_REFS = _measure_baselines()
 # The Python references a gradient has on its way into backward depend on global state
 # (e.g. frame callbacks that torch.compile / dynamo install): when a gradient shows more
 # than the import-time baseline, measure the baseline again in the current state (never
@@ -156,7 +163,7 @@ def _owned(grad: torch.Tensor, python_refs: int) -> bool:
     # See Note [In-place activated BatchNorm], rule 5.
     if _BASELINE_PYTHON_REFS < 0:
         return False
-    if _tensor_refs(grad) != 1 or _storage_refs(grad) != _BASELINE_STORAGE_REFS:
+    if tensor_refs(grad) != 1 or storage_refs(grad) != BASELINE_STORAGE_REFS:
         return False
     return python_refs <= _BASELINE_PYTHON_REFS or python_refs <= _measure_baselines()[0]
 

@@ -19,11 +19,11 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from ckpt_graph._errors import CkptGraphError, CkptGraphValueError
 from ckpt_graph.nn._abn_function import (
-    _BASELINE_STORAGE_REFS,
     ACTIVATIONS,
-    _storage_refs,
-    _tensor_refs,
+    BASELINE_STORAGE_REFS,
     inplace_abn,
+    storage_refs,
+    tensor_refs,
 )
 
 __all__ = ["InPlaceABN", "convert_bn_act"]
@@ -66,15 +66,15 @@ def _check_writable(x: torch.Tensor) -> None:
             "that requires grad (autograd needs its value). Pass x.clone(), or normalise the "
             "output of a layer (conv, linear) instead."
         )
-    if _BASELINE_STORAGE_REFS < 0:  # this torch cannot count references
+    if BASELINE_STORAGE_REFS < 0:  # this torch cannot count references
         return
     # A lone tensor has one TensorImpl on its storage; a view adds its base, which only the
     # view's autograd metadata and the Python object `x._base` creates may hold.
     base = x._base
-    allowed = _BASELINE_STORAGE_REFS + (base is not None)
-    shared = _tensor_refs(x) > 1 or _storage_refs(x) > allowed
+    allowed = BASELINE_STORAGE_REFS + (base is not None)
+    shared = tensor_refs(x) > 1 or storage_refs(x) > allowed
     if base is not None:
-        shared = shared or _tensor_refs(base) > 2
+        shared = shared or tensor_refs(base) > 2
     if shared and not _saved_tensor_hooks_active():
         raise CkptGraphError(
             f"ckpt_graph: InPlaceABN cannot write its input of shape {tuple(x.shape)} in place: "

@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING
 from ckpt_graph.engine import cache_bound, passes
 from ckpt_graph.engine.graph import INPLACE_ON_KEPT
 from ckpt_graph.engine.op_info import UNANNOTATED_ALIASES
-from ckpt_graph.planner.records import Workspace
+from ckpt_graph.planner.records import NO_WORKSPACE, Workspace
 from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimValue
-from ckpt_graph.planner.workspaces import _ZERO
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
@@ -126,8 +125,8 @@ def step_grads(
 def workspace_of(workspaces: Mapping[int, Workspace] | None, index: int) -> Workspace:
     """The workspace of op ``index`` (zero when not measured)."""
     if workspaces is None:
-        return _ZERO
-    return workspaces.get(index, _ZERO)
+        return NO_WORKSPACE
+    return workspaces.get(index, NO_WORKSPACE)
 
 
 def kept_ops_of(region: Region) -> frozenset[int]:

@@ -17,6 +17,7 @@ from typing import NamedTuple
 from ckpt_graph.planner.sim_graph import SimGraph, SimResult
 
 __all__ = [
+    "NO_WORKSPACE",
     "KeptTensor",
     "Option",
     "Plan",
@@ -269,3 +270,7 @@ class Workspace(NamedTuple):
     recompute: int
     output_saves: int = -1
     input_grads: int = -1
+
+
+# An op with no temporaries, or one not measured.
+NO_WORKSPACE = Workspace(0, 0)

@@ -35,7 +35,7 @@ import torch
 from ckpt_graph._errors import CkptGraphError, CkptGraphValueError
 from ckpt_graph.engine.graph import Handle, arg_at
 from ckpt_graph.memory import measure
-from ckpt_graph.planner.records import Workspace
+from ckpt_graph.planner.records import NO_WORKSPACE, Workspace
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
@@ -46,7 +46,6 @@ __all__ = ["measure_workspaces"]
 
 _MEMO: dict[tuple[Any, ...], Workspace] = {}
 _MEMO_LIMIT = 4096
-_ZERO = Workspace(0, 0)
 
 
 def measure_workspaces(region: Region) -> dict[int, Workspace]:
@@ -204,7 +203,7 @@ def _run_measured(
     except CkptGraphError:
         raise
     except Exception:  # fresh tensors the op rejects (value checks): not measured
-        return _ZERO
+        return NO_WORKSPACE
     return Workspace(
         max(bwd_peak, 0), max(fwd.peak_bytes - fwd.end_bytes, 0), output_saves, input_grads
     )

@@ -24,8 +24,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphTypeError
-from ckpt_graph.engine.decisions import normalize_policy, policy_names, register_policy_name
-from ckpt_graph.engine.torch_sac import adapt_if_torch_sac
+from ckpt_graph.engine.decisions import register_policy_name
 
 __all__ = [
     "Answer",
@@ -79,15 +78,6 @@ _MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
 # conflict; only ``must=True`` variants can meet a different MUST and raise.
 
 
-def _normalise(answer: Answer) -> CheckpointPolicy | None:
-    """Map torch's bool convention onto decisions (True = MUST_SAVE, False = PREFER_RECOMPUTE)."""
-    if answer is True:
-        return _MUST_SAVE
-    if answer is False:
-        return _PREFER_RECOMPUTE
-    return answer
-
-
 class Policy(abc.ABC):
     """Base class of the built-in policies: a callable with a readable ``repr``.
 
@@ -115,21 +105,6 @@ class Policy(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._repr_args()})"
-
-
-def _resolve(policy: PolicyLike, where: str) -> Callable[..., Answer]:
-    """Turn a string name into its policy; check that anything else is callable."""
-    if isinstance(policy, str):
-        resolved: Callable[..., Answer] = normalize_policy(policy)
-        return resolved
-    if not callable(policy):
-        raise CkptGraphTypeError(
-            f"ckpt_graph: {where}: expected a policy (a callable or one of the names "
-            f"{', '.join(repr(n) for n in policy_names())}), "
-            f"got {policy!r} of type {type(policy).__name__}"
-        )
-    # See Note [torch SAC policies passed as ckpt_graph policies]
-    return adapt_if_torch_sac(policy)
 
 
 class _OpSet:

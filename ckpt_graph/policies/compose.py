@@ -18,14 +18,40 @@ from torch._ops import OpOverload
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphTypeError, CkptGraphValueError
+from ckpt_graph.engine.decisions import normalize_policy, policy_names
 from ckpt_graph.engine.lowering import needs_region
-from ckpt_graph.engine.torch_sac import TorchSACPolicy
-from ckpt_graph.policies.builtins import Answer, Policy, PolicyLike, _normalise, _resolve, save_ops
+from ckpt_graph.engine.torch_sac import TorchSACPolicy, adapt_if_torch_sac
+from ckpt_graph.policies.builtins import Answer, Policy, PolicyLike, save_ops
 
 __all__ = ["any_save", "first_answer", "from_torch_sac"]
 
 _MUST_SAVE = CheckpointPolicy.MUST_SAVE
 _PREFER_SAVE = CheckpointPolicy.PREFER_SAVE
+_PREFER_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _normalise(answer: Answer) -> CheckpointPolicy | None:
+    """Map torch's bool convention onto decisions (True = MUST_SAVE, False = PREFER_RECOMPUTE)."""
+    if answer is True:
+        return _MUST_SAVE
+    if answer is False:
+        return _PREFER_RECOMPUTE
+    return answer
+
+
+def _resolve(policy: PolicyLike, where: str) -> Callable[..., Answer]:
+    """Turn a string name into its policy; check that anything else is callable."""
+    if isinstance(policy, str):
+        resolved: Callable[..., Answer] = normalize_policy(policy)
+        return resolved
+    if not callable(policy):
+        raise CkptGraphTypeError(
+            f"ckpt_graph: {where}: expected a policy (a callable or one of the names "
+            f"{', '.join(repr(n) for n in policy_names())}), "
+            f"got {policy!r} of type {type(policy).__name__}"
+        )
+    # See Note [torch SAC policies passed as ckpt_graph policies]
+    return adapt_if_torch_sac(policy)
 
 
 class _Combinator(Policy):

@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from ckpt_graph._errors import CkptGraphTypeError
 from ckpt_graph.policies.builtins import Answer, Policy
 
-__all__ = ["ModuleMatch", "save_module_outputs"]
+__all__ = ["ModuleMatch", "name_matches", "save_module_outputs", "tag_outputs"]
 
 ModuleMatch: TypeAlias = (
     type[nn.Module] | tuple[type[nn.Module], ...] | str | Callable[[str, nn.Module], bool]
@@ -64,6 +64,17 @@ def _glob(pattern: list[str], name: list[str]) -> bool:
     return bool(name) and fnmatchcase(name[0], head) and _glob(pattern[1:], name[1:])
 
 
+def name_matches(pattern: str, name: str) -> bool:
+    """Whether the qualified module ``name`` matches ``pattern`` as ``save_module_outputs``
+    reads it: fnmatch per dot-separated segment, ``**`` for any number of segments.
+
+    Example:
+        >>> name_matches("**.mlp", "layers.3.mlp"), name_matches("layers.*", "layers.0.mlp")
+        (True, False)
+    """
+    return _glob(_split(pattern), _split(name))
+
+
 def _compile(match: ModuleMatch) -> tuple[Callable[[str, nn.Module], bool], str]:
     """Return (predicate on (qualified_name, module), text for the repr)."""
     if isinstance(match, type):
@@ -84,13 +95,13 @@ def _compile(match: ModuleMatch) -> tuple[Callable[[str, nn.Module], bool], str]
         )
         return (lambda name, module: isinstance(module, classes)), text
     if isinstance(match, str):
-        pattern = _split(match)
+        pattern = match
         memo: dict[str, bool] = {}
 
         def by_name(name: str, module: nn.Module) -> bool:
             hit = memo.get(name)
             if hit is None:
-                hit = memo[name] = _glob(pattern, _split(name))
+                hit = memo[name] = name_matches(pattern, name)
             return hit
 
         return by_name, repr(match)
@@ -241,7 +252,7 @@ class save_module_outputs(Policy):
             else:
                 return  # started before the hooks were installed
             if self._match(name, module):
-                _tag_outputs(output)
+                tag_outputs(output)
 
         return post_hook
 
@@ -249,7 +260,8 @@ class save_module_outputs(Policy):
         return self._text
 
 
-def _tag_outputs(output: Any) -> None:
+def tag_outputs(output: Any) -> None:
+    """Tag every tensor in a module's ``output`` MUST_SAVE (``tag_with_policy``)."""
     from ckpt_graph.engine.api import tag_with_policy  # late: region imports this package
 
     for leaf in _pytree.tree_leaves(output):

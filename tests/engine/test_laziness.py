@@ -488,12 +488,12 @@ def test_memoized_flops_follow_shapes_and_arguments() -> None:
     from ckpt_graph.engine import flops
 
     aten = torch.ops.aten
-    flops._FLOPS_MEMO.clear()
+    flops.FLOPS_MEMO.clear()
     a, b = torch.randn(4, 8), torch.randn(8, 16)
     first = flops.estimate_flops(aten.mm.default, a @ b, (a, b), {})
-    assert first == 2 * 4 * 8 * 16 and len(flops._FLOPS_MEMO) == 1
+    assert first == 2 * 4 * 8 * 16 and len(flops.FLOPS_MEMO) == 1
     assert flops.estimate_flops(aten.mm.default, a @ b, (a, b), {}) == first
-    assert len(flops._FLOPS_MEMO) == 1  # the second call was a hit
+    assert len(flops.FLOPS_MEMO) == 1  # the second call was a hit
     c = torch.randn(8, 3)
     assert flops.estimate_flops(aten.mm.default, a @ c, (a, c), {}) == 2 * 4 * 8 * 3
     x, w = torch.randn(1, 2, 9, 9), torch.randn(4, 2, 3, 3)
@@ -506,9 +506,9 @@ def test_memoized_flops_follow_shapes_and_arguments() -> None:
     out2 = aten.convolution.default(*strided)
     got = flops.estimate_flops(aten.convolution.default, out2, tuple(strided), {})
     assert got == int(formula(*strided, out_val=out2)) != want
-    flops._FLOPS_MEMO.clear()
+    flops.FLOPS_MEMO.clear()
     out3 = torch.empty(2, 2)  # formulas read shapes: no product needs computing
-    for n in range(flops._FLOPS_MEMO_SIZE + 5):  # bounded: cleared when full
+    for n in range(flops.FLOPS_MEMO_SIZE + 5):  # bounded: cleared when full
         left, right = torch.empty(2, n + 1), torch.empty(n + 1, 2)  # a new shape each time
         assert flops.estimate_flops(aten.mm.default, out3, (left, right), {}) == 8 * (n + 1)
-    assert len(flops._FLOPS_MEMO) <= flops._FLOPS_MEMO_SIZE
+    assert len(flops.FLOPS_MEMO) <= flops.FLOPS_MEMO_SIZE

@@ -373,9 +373,9 @@ def test_routing_pins_torch_internals() -> None:
     # Note [Routing torch's checkpoint calls] relies on these private names of torch.
     from ckpt_graph.integrations import torch_routing
 
-    assert torch_routing._FORWARD_PACK is not None and torch_routing._REPLAY_PACK is not None
-    assert torch_routing._FORWARD_PACK.co_freevars == ("frame",)
-    assert set(torch_routing._REPLAY_PACK.co_freevars) >= {"target_frame_ref"}
+    assert torch_routing.FORWARD_PACK is not None and torch_routing.REPLAY_PACK is not None
+    assert torch_routing.FORWARD_PACK.co_freevars == ("frame",)
+    assert set(torch_routing.REPLAY_PACK.co_freevars) >= {"target_frame_ref"}
     for name in (
         "_checkpoint_without_reentrant_generator",
         "CheckpointFunction",

@@ -383,7 +383,7 @@ def test_repr_names_the_policy(policy: Any, text: str) -> None:
     ],
 )
 def test_name_patterns(pattern: str, name: str, expected: bool) -> None:
-    assert _modules._glob(_modules._split(pattern), _modules._split(name)) is expected
+    assert _modules.name_matches(pattern, name) is expected
 
 
 class Block(nn.Module):
@@ -413,7 +413,7 @@ class Stack(nn.Module):
 def _tagged_by(policy: Any, model: nn.Module, x: torch.Tensor, monkeypatch: Any) -> Any:
     """Run model with the policy's hooks active; return what it tagged and each module's output."""
     tagged: list[Any] = []
-    monkeypatch.setattr(_modules, "_tag_outputs", tagged.append)
+    monkeypatch.setattr(_modules, "tag_outputs", tagged.append)
     outputs: dict[str, torch.Tensor] = {}
     handles = [
         m.register_forward_hook(lambda m, a, o, name=name: outputs.__setitem__(name, o))
@@ -482,7 +482,7 @@ def test_save_module_outputs_hooks_are_removed_and_thread_local(monkeypatch: Any
         len(nn.modules.module._global_forward_hooks),
     )
     tagged: list[Any] = []
-    monkeypatch.setattr(_modules, "_tag_outputs", tagged.append)
+    monkeypatch.setattr(_modules, "tag_outputs", tagged.append)
     policy = policies.save_module_outputs(nn.Linear)
     layer = nn.Linear(2, 2)
     x = torch.randn(1, 2)
