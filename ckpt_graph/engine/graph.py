@@ -56,6 +56,7 @@ class KeptReason(StrEnum):
     SILENT_WRITE = "engine: written in place without a version bump (backward reads the new value)"
     CLONED_BEFORE_MUTATION = "engine: copy of a kept value taken before an in-place op"
     RANDOM_WITHOUT_REPLAY = "engine: random op on a device without generator replay"
+    INPUTS_FREED = "engine: a tag asked to recompute it after its kept inputs were freed"
 
     @property
     def by_engine(self) -> bool:
@@ -72,6 +73,7 @@ INPLACE_ON_KEPT = KeptReason.INPLACE_ON_KEPT
 SILENT_WRITE = KeptReason.SILENT_WRITE
 CLONED_BEFORE_MUTATION = KeptReason.CLONED_BEFORE_MUTATION
 RANDOM_WITHOUT_REPLAY = KeptReason.RANDOM_WITHOUT_REPLAY
+INPUTS_FREED = KeptReason.INPUTS_FREED
 
 
 def arg_at(args: Sequence[Any], kwargs: dict[str, Any], where: int | str) -> Any:
@@ -128,8 +130,10 @@ class Handle:
         base_writes: for a view, its base's ``writes`` when the view was made: a later
             write changed the view's elements (see Note [Mutation and views], rule 6).
         forward_uses: op nodes and saved tensors of the forward that consumed the value,
-            counted while recording and never decremented (a kept value nothing used yet
-            is overwritten in place without a copy: Note [Mutation and views], rule 4).
+            counted while recording and never decremented.
+        recompute_input: an op node with a recomputed output takes the value as input, so
+            recomputing may read it; with ``saved_refs`` it says whether the region may
+            read a kept value again (see Note [Kept values live no longer than in eager]).
         saved_refs: saved tensors alive now (``hooks.Packed`` objects) that refer to the
             value; each is freed when autograd frees it.
         cache: per backward pass, the recomputed value while it has a use left (see Note
@@ -156,6 +160,7 @@ class Handle:
         "offload_device",
         "output_index",
         "reason",
+        "recompute_input",
         "ref",
         "saved_refs",
         "shape",
@@ -197,6 +202,7 @@ class Handle:
         self.has_views = False
         self.superseded = False
         self.forward_uses = 0
+        self.recompute_input = False
         self.saved_refs = 0
         self.cache: torch.Tensor | None = None
         self.live = False

@@ -21,6 +21,9 @@
 #      output of a multi-output view op (``unbind``, ``split``) that raises "Output 0 of
 #      Unbind is a view and its base ... has been modified inplace", where eager, which
 #      reads no ``grad_fn``, runs (the view written under ``torch.no_grad()`` in the region).
+#   5. A kept op output is watched while the region records: it is freed when the program
+#      drops its forward tensor and nothing reads the value any more (see Note [Kept values
+#      live no longer than in eager]).
 # Undoing a failed in-place op restores handles and ``kept_bytes`` as they were instead
 # (see Note [Failed in-place ops]), and ``Region._release`` frees every value at once.
 """
@@ -33,6 +36,7 @@ import torch
 
 from ckpt_graph.engine import graph
 from ckpt_graph.engine.graph import Handle
+from ckpt_graph.engine.kept_lifetime import watch
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
@@ -63,6 +67,8 @@ def hold(
     count: bool = True,
 ) -> None:
     """Keep ``t`` as the value of ``h``. See Note [Holding values]."""
+    if h.node_index >= 0 and not (offload and t.device.type != "cpu"):
+        watch(region, h, t)  # See Note [Kept values live no longer than in eager].
     if offload and t.device.type != "cpu":  # See Note [Offload on CUDA].
         h.offload_device = t.device
         state = region.recording

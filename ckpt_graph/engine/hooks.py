@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from ckpt_graph.engine.kept_lifetime import drop_if_unread
 from ckpt_graph.engine.realize import unpack_value
 
 if TYPE_CHECKING:
@@ -58,6 +59,8 @@ class Packed(_PackedBase):
         except AttributeError:  # made without __init__ (e.g. by a compiler's tracing)
             return
         handle.saved_refs -= 1
+        if handle.saved_refs == 0 and region.is_open:  # a graph dropped during the forward
+            drop_if_unread(region, handle)  # See Note [Kept values live no longer than in eager].
         region.pack_released(handle)
 
     def __repr__(self) -> str:

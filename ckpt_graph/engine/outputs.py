@@ -17,6 +17,7 @@ from ckpt_graph.engine.debug import checksums
 from ckpt_graph.engine.decisions import resolve
 from ckpt_graph.engine.graph import Handle, OpNode
 from ckpt_graph.engine.holding import hold, hold_new_version
+from ckpt_graph.engine.kept_lifetime import mark_recompute_inputs
 from ckpt_graph.engine.mutation.storage_history import after_write
 from ckpt_graph.engine.mutation.writes import mark_written
 from ckpt_graph.engine.op_info import OpInfo
@@ -36,6 +37,8 @@ KEPT_ON_HOST = {
     CheckpointPolicy.PREFER_CPU_OFFLOAD: True,
 }
 _KEEP_IDS = frozenset(id(d) for d in KEPT_ON_HOST)  # for every op: Enum.__hash__ is Python code
+_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+_MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
 
 
 def record_node(
@@ -56,14 +59,19 @@ def record_node(
     node = OpNode(index, op, info, h_args, h_kwargs, inputs)
     # A constant policy stack decides every op alike; ``decide`` asks callable ones.
     stack = region.policy_stack
-    node.decision = stack.constant
+    decision = node.decision = stack.constant
     node.decided_by = stack.constant_by
     node.module_path = region.module_stack.current_path
     node.module_call = region.module_stack.current_call
     if rng is not None:
         node.rng = rng
-    for h in inputs:
-        h.forward_uses += 1
+    if decision is _RECOMPUTE or decision is _MUST_RECOMPUTE:  # ``decide`` may not run
+        for h in inputs:  # See Note [Kept values live no longer than in eager], rule 1.
+            h.forward_uses += 1
+            h.recompute_input = True
+    else:
+        for h in inputs:
+            h.forward_uses += 1
     previous: Handle | None = None
     if info.writes:
         previous = mark_written(region, info, h_args, h_kwargs, args, kwargs)
@@ -164,6 +172,7 @@ def decide(
         keep = True
         reason = graph.RANDOM_WITHOUT_REPLAY
     elif not keep and overwritten is None:
+        mark_recompute_inputs(node.inputs)  # See Note [Kept values live no longer than in eager]
         return
     for o, h in zip(out if node.out_is_tuple else (out,), node.outputs, strict=True):
         if h is None:

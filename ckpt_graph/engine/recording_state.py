@@ -8,6 +8,7 @@ and is emptied when the region closes (only ``ids`` stays, for ``Region.lookup``
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -40,6 +41,9 @@ class RecordingState:
             the recorder returns (``Region.settle`` reads them).
         alias_keys: the dispatch keys ``holding.detached`` saw last and the ones it derives
             from them (``None`` before its first call).
+        watched: weak references to the forward tensors of kept op outputs, which free
+            the kept value when the program drops the tensor and nothing reads the value
+            (see Note [Kept values live no longer than in eager]).
 
     Example:
         >>> state = RecordingState()
@@ -56,6 +60,7 @@ class RecordingState:
         "storages",
         "task",
         "unsettled",
+        "watched",
         "writing",
     )
 
@@ -69,6 +74,7 @@ class RecordingState:
         self.writing: StorageHistory | None = None
         self.unsettled: list[Handle] = []
         self.alias_keys: tuple[Any, Any, Any] | None = None
+        self.watched: list[weakref.ref[torch.Tensor]] = []
 
     def finish(self) -> None:
         """Stop recording and drop what only recording needs (the region closes)."""
@@ -76,3 +82,4 @@ class RecordingState:
         self.by_storage = None
         self.storages = {}
         self.shapes = {}
+        self.watched = []  # See Note [Kept values live no longer than in eager], rule 5.

@@ -30,6 +30,7 @@ from ckpt_graph.engine.decisions import to_decision as _to_decision
 from ckpt_graph.engine.graph import Handle, OpNode, version_of
 from ckpt_graph.engine.holding import detached, free_kept, hold
 from ckpt_graph.engine.hooks import pack_hook_for, unpack_hook_for_autograd
+from ckpt_graph.engine.kept_lifetime import freed_inputs, mark_recompute_inputs
 from ckpt_graph.engine.mutation.storage_history import rebase
 from ckpt_graph.engine.offload import Offloader
 from ckpt_graph.engine.outputs import KEPT_ON_HOST as _KEPT_ON_HOST
@@ -247,7 +248,15 @@ class Region:
             else:
                 h.reason = graph.TAG
         elif h.kept:
-            free_kept(self, h)
+            # Kept values its recomputation reads may be freed: recompute them too, or keep
+            # it. See Note [Kept values live no longer than in eager], rule 2.
+            freed = freed_inputs(self, self.nodes[h.node_index])
+            if freed is None:
+                h.reason = graph.INPUTS_FREED
+                return
+            for v in (*freed, h):
+                free_kept(self, v)
+                mark_recompute_inputs(self.nodes[v.node_index].inputs)
 
     # ----------------------------------------------------------------- backward
     def pack_released(self, h: Handle) -> None:

@@ -32,7 +32,11 @@ __all__ = ["keep_silently_written"]
 # as an alias of the forward tensor before the op runs (reason ``SILENT_WRITE``): the alias
 # sees the write, as eager's saved tensor does, and ``before_write`` does not replace it by
 # a copy. Region inputs (running statistics) are kept anyway, and copied before the write
-# for the op nodes that read them earlier.
+# only for the recomputed op nodes that read them earlier: the op's own outputs do not
+# depend on the values it overwrites silently (BatchNorm's output in training mode does not
+# read the running statistics it updates; ``rrelu_with_noise`` draws the noise it writes),
+# and saved tensors of the argument read the new values, as eager's do. See Note [Kept
+# values live no longer than in eager], rule 4.
 
 
 def keep_silently_written(

@@ -128,10 +128,13 @@ def rebase(region: Region, t: torch.Tensor, old: Handle) -> Handle | None:
     head = history.head
     if head.offload_device is not None or head.dtype != t.dtype:
         return None  # a host copy keeps only the view's elements, not the storage
+    if head.reason is not None and head.value is None:
+        return None  # freed, nothing read it: see Note [Kept values live no longer than in eager]
     index = len(region.nodes)
     args = (head, list(t.size()), list(t.stride()), int(t.storage_offset()))
     node = OpNode(index, _AS_STRIDED, op_info(_AS_STRIDED), args, {}, (head,))
     head.forward_uses += 1
+    head.recompute_input = True
     head.has_views = True
     h = Handle(t, index, 0)
     h.is_view = True  # its bytes belong to the last write's value; its own base

@@ -29,11 +29,12 @@
 #      unpacking it raises an error naming ``.data``.
 #   4. Kept values are shared with the forward tensors. Before an op writes a storage,
 #      every kept value in that storage whose elements the write may touch (``overlap``:
-#      exact for slices and chunks, conservative otherwise) and that some op node or saved
-#      tensor already used is replaced by an exact copy (same storage offset and strides),
-#      because the write would change it under them; it is also superseded (the copy
-#      carries the value's version, and the handle still refers to the tensor, so that
-#      the tensor's next use is rebased, rule 3). Kept values
+#      exact for slices and chunks, conservative otherwise) and that a saved tensor or a
+#      recomputation may still read (``kept_lifetime.may_read``; an op node whose outputs
+#      are all kept never runs again) is replaced by an exact copy (same storage offset
+#      and strides), because the write would change it under them; it is also superseded
+#      (the copy carries the value's version, and the handle still refers to the tensor,
+#      so that the tensor's next use is rebased, rule 3). Kept values
 #      of the storage the write leaves alone stay as they are: the gates of nn.LSTM are
 #      chunks of one tensor (``unsafe_chunk``, each with a version counter of its own)
 #      written in place one after another. A kept value the op overwrites with nobody
@@ -72,6 +73,7 @@ import torch
 
 from ckpt_graph.engine.graph import SILENT_WRITE, Handle, arg_at
 from ckpt_graph.engine.holding import hold_copy, index_storage
+from ckpt_graph.engine.kept_lifetime import may_read
 from ckpt_graph.engine.mutation.storage_history import alias_source, note_write
 from ckpt_graph.engine.op_info import OpInfo
 from ckpt_graph.engine.replay import exact_copy
@@ -124,22 +126,27 @@ def before_write(
         remaining: list[Handle] = []
         copied: list[tuple[Handle, torch.Tensor]] = []
         for k in entries:
-            if k.value is None:
+            value = k.value  # once: a dropped forward tensor may free it (kept_lifetime.py)
+            if value is None:
                 continue
             if k is written and k.reason is SILENT_WRITE:
                 continue  # saved tensors read the new value: see Note [Silent writes]
-            if k is not written and not overlap(t, k.value):
+            if k is not written and not overlap(t, value):
                 remaining.append(k)  # rule 4: the write leaves its bytes as they are
                 continue
             if k is not written and not silent:
                 k.superseded = True  # its bytes change (see rule 3 for other counters)
                 k.writes += 1
-            if k is written and k.forward_uses == 0 and info.returns_written:
+            # See Note [Kept values live no longer than in eager], rule 4. Saved tensors of
+            # a value written silently read the new value, as eager's do, and the op's
+            # outputs do not depend on the old one (Note [Silent writes]).
+            unread = not (k.recompute_input if silent and k is written else may_read(k))
+            if k is written and unread and info.returns_written:
                 overwritten = k  # rule 4: its new version keeps the tensor
                 continue
-            if k.forward_uses == 0 and (k is not written or info.returns_written):
+            if unread and (k is not written or info.returns_written or silent):
                 continue  # nobody needs the old value (this op does if it has other outputs)
-            copy = exact_copy(k.value)
+            copy = exact_copy(value)
             if k.version >= 0:  # the copy carries the version the value had
                 _set_versions((copy,), (k.version,))
             else:
