@@ -100,6 +100,8 @@ class Handle:
         output_index: position among the producer's outputs; -1 for a region input.
         input_index: for a region input (``node_index == -1``), its position in
             ``region.inputs``; -1 for an op node output.
+        number: the value's number in the region's pass graph (``PassState.handles``),
+            given when the handle is made (see Note [Values numbered as recorded]).
         version: the tensor's ``_version`` when this value was current (-1 until first
             observed after an in-place op; see Note [Mutation and views]).
         ref: weak reference to the forward tensor, for version checks.
@@ -153,6 +155,7 @@ class Handle:
         "live",
         "nbytes",
         "node_index",
+        "number",
         "offload_device",
         "output_index",
         "reason",
@@ -169,9 +172,15 @@ class Handle:
     )
 
     def __init__(
-        self, t: torch.Tensor, node_index: int, output_index: int, input_index: int = -1
+        self,
+        t: torch.Tensor,
+        node_index: int,
+        output_index: int,
+        number: int,
+        input_index: int = -1,
     ) -> None:
         self.node_index = node_index
+        self.number = number
         self.output_index = output_index
         self.input_index = input_index
         try:  # version_of(), inlined: a handle is made for every op output
