@@ -81,6 +81,7 @@ class Pass:
 
     Attributes:
         transient: per value, whether it is transient (set by ``mark_transient``).
+        any_transient: whether some value is.
         waiting: per transient value, the op nodes of the running realize that read it.
         ran: per op node, whether it ran in this pass.
         runs: per op node, how many times it ran in this pass.
@@ -104,6 +105,7 @@ class Pass:
         self.transient_min_bytes = transient_min_bytes
         self.bound_min_bytes = bound_min_bytes
         self.transient = [False] * len(g.producer)
+        self.any_transient = False  # nothing to unpin after a run without transient values
         self.waiting = [0] * len(g.producer)
         self.ran = [False] * len(g.outputs)
         self.runs = [0] * len(g.outputs)
@@ -154,6 +156,7 @@ class Pass:
         self.transient = mark_transient(
             self.g, self.kept, self.uses, self.transient_min_bytes, self.live
         )
+        self.any_transient = any(self.transient)
 
     def free(self, v: int) -> None:
         """Free the cached value ``v``."""
@@ -242,12 +245,13 @@ class Pass:
                 if cached[outs[0]]:
                     continue
             elif ran[j]:
-                if expanded:
+                if expanded and self.any_transient:
                     self._unpin(j)
                 continue
             if expanded:
                 self.run(j)
-                self._unpin(j)
+                if self.any_transient:
+                    self._unpin(j)
                 continue
             stack.append((j, True))
             for i in inputs[j]:

@@ -53,7 +53,6 @@ callback that ends a partial backward.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -116,6 +115,9 @@ class PassState:
         node_inputs: per op node, the numbers of its distinct input values.
         node_outputs: per op node, the numbers of its tensor outputs.
         transient_ok: per op node, whether its output may be transient (``PassGraph``).
+        kept: from region exit on, per value, whether it is kept now (a changed kept value
+            becomes recomputed at a pass's start: Note [Kept values changed after the
+            region]).
         live_uses: from region exit on, across passes, per value: the saved tensors and op
             nodes that may still run that need it; a kept value is freed at zero (see Note
             [Releasing kept values]).
@@ -130,6 +132,7 @@ class PassState:
         "core",
         "graph",
         "handles",
+        "kept",
         "live_uses",
         "may_run",
         "node_inputs",
@@ -152,6 +155,7 @@ class PassState:
         self.node_inputs: list[tuple[int, ...]] = []
         self.node_outputs: list[tuple[int, ...]] = []
         self.transient_ok: list[bool] = []
+        self.kept: list[bool] = []
         self.live_uses: list[int] = []  # See Note [Releasing kept values].
         self.may_run: list[bool] = []
         self.numbered = (-1, -1)  # op nodes and values when ``graph`` was built
@@ -379,6 +383,9 @@ def _recompute_changed_kept(region: Region) -> None:
                     unavailable.add(o)
                     continue
                 free_kept(region, o)
+                kept = region.pass_state.kept
+                if o.number < len(kept):  # counted at region exit: now recomputed
+                    kept[o.number] = False
                 _hold_inputs(region, node)
             elif o.value is None and _forward_tensor(o) is None:
                 unavailable.add(o)
@@ -473,6 +480,7 @@ def count_live_uses(region: Region) -> None:
     live_uses = [h.saved_refs for h in handles]
     state.may_run = count_uses(g, kept, live_uses, all_inputs=True)
     state.live_uses = live_uses
+    state.kept = kept
     for j, node in enumerate(region.nodes):
         if node.rng is not None and is_dead(g, live_uses, state.may_run, j):
             node.rng = None
@@ -500,20 +508,4 @@ def free_use(region: Region, h: Handle) -> None:
         if node.rng is not None and is_dead(g, state.live_uses, state.may_run, j):
             node.rng = None
 
-    _free_use(g, _Kept(handles), live_uses, state.may_run, v, free_kept, dead)
-
-
-class _Kept(Sequence[bool]):
-    """Per value number, whether the value is kept now (a changed kept value becomes
-    recomputed at a pass's start: Note [Kept values changed after the region])."""
-
-    __slots__ = ("handles",)
-
-    def __init__(self, handles: list[Handle]) -> None:
-        self.handles = handles
-
-    def __len__(self) -> int:
-        return len(self.handles)
-
-    def __getitem__(self, v: int) -> bool:  # type: ignore[override]
-        return self.handles[v].reason is not None
+    _free_use(g, state.kept, live_uses, state.may_run, v, free_kept, dead)
