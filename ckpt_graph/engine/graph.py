@@ -101,7 +101,8 @@ class Handle:
         input_index: for a region input (``node_index == -1``), its position in
             ``region.inputs``; -1 for an op node output.
         number: the value's number in the region's pass graph (``PassState.handles``),
-            given when the handle is made (see Note [Values numbered as recorded]).
+            given when the region makes the handle (see Note [Values numbered as
+            recorded]); -1 for a handle made outside a region.
         version: the tensor's ``_version`` when this value was current (-1 until first
             observed after an in-place op; see Note [Mutation and views]).
         ref: weak reference to the forward tensor, for version checks.
@@ -176,7 +177,7 @@ class Handle:
         t: torch.Tensor,
         node_index: int,
         output_index: int,
-        number: int,
+        number: int = -1,
         input_index: int = -1,
     ) -> None:
         self.node_index = node_index
