@@ -182,7 +182,7 @@ def recompute_chain(
         8192
     """
     nodes = region.nodes
-    g, handles, index = pass_graph(region)
+    g, handles = pass_graph(region)
     values: dict[int, Handle] = {}
     sources: dict[int, Handle] = {}
     walk: list[int] = []
@@ -191,7 +191,7 @@ def recompute_chain(
             sources[id(h)] = h
         elif id(h) not in values:
             values[id(h)] = h
-            walk.append(index[h])
+            walk.append(h.number)
     # The pass's walk back (Note [One pass core]), with nothing cached.
     order, need = collect(g, walk, _Kept(handles, as_recomputed))
     for v in need:

@@ -102,6 +102,9 @@ class Handle:
         output_index: position among the producer's outputs; -1 for a region input.
         input_index: for a region input (``node_index == -1``), its position in
             ``region.inputs``; -1 for an op node output.
+        number: the value's number in the region's pass graph (``PassState.handles``),
+            given when the region makes the handle (see Note [Values numbered as
+            recorded]); -1 for a handle made outside a region.
         version: the tensor's ``_version`` when this value was current (-1 until first
             observed after an in-place op; see Note [Mutation and views]).
         ref: weak reference to the forward tensor, for version checks.
@@ -157,6 +160,7 @@ class Handle:
         "live",
         "nbytes",
         "node_index",
+        "number",
         "offload_device",
         "output_index",
         "reason",
@@ -174,9 +178,15 @@ class Handle:
     )
 
     def __init__(
-        self, t: torch.Tensor, node_index: int, output_index: int, input_index: int = -1
+        self,
+        t: torch.Tensor,
+        node_index: int,
+        output_index: int,
+        number: int = -1,
+        input_index: int = -1,
     ) -> None:
         self.node_index = node_index
+        self.number = number
         self.output_index = output_index
         self.input_index = input_index
         try:  # version_of(), inlined: a handle is made for every op output

@@ -21,6 +21,7 @@ from ckpt_graph.engine.kept_lifetime import mark_recompute_inputs
 from ckpt_graph.engine.mutation.storage_history import after_write
 from ckpt_graph.engine.mutation.writes import mark_written
 from ckpt_graph.engine.op_info import OpInfo
+from ckpt_graph.engine.passes import number_node
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
@@ -78,8 +79,11 @@ def record_node(
     recording = region.recording
     ids = recording.ids
     shapes = recording.shapes
+    pass_state = region.pass_state
+    values = pass_state.handles  # See Note [Values numbered as recorded].
     if isinstance(out, _Tensor):
-        h = Handle(out, index, 0)
+        h = Handle(out, index, 0, len(values))
+        values.append(h)
         if info.view_outputs or info.returns_written:
             _alias_output(region, info, h, inputs, previous)
         ids[id(out)] = h
@@ -92,7 +96,8 @@ def record_node(
             if not isinstance(o, _Tensor):
                 handles.append(None)
                 continue
-            h = Handle(o, index, j)
+            h = Handle(o, index, j, len(values))
+            values.append(h)
             if info.view_outputs or info.returns_written:  # a list return: every element
                 _alias_output(region, info, h, inputs, previous)
             ids[id(o)] = h
@@ -111,6 +116,7 @@ def record_node(
         node.stack = "".join(traceback.format_stack(limit=14)[:-4])
         node.checksums = checksums(out if node.out_is_tuple else (out,))
     nodes.append(node)
+    number_node(pass_state, node)
     return node
 
 

@@ -81,6 +81,7 @@ class Pass:
 
     Attributes:
         transient: per value, whether it is transient (set by ``mark_transient``).
+        any_transient: whether some value is.
         waiting: per transient value, the op nodes of the running realize that read it.
         ran: per op node, whether it ran in this pass.
         runs: per op node, how many times it ran in this pass.
@@ -104,10 +105,18 @@ class Pass:
         self.transient_min_bytes = transient_min_bytes
         self.bound_min_bytes = bound_min_bytes
         self.transient = [False] * len(g.producer)
+        self.any_transient = False  # nothing to unpin after a run without transient values
         self.waiting = [0] * len(g.producer)
         self.ran = [False] * len(g.outputs)
         self.runs = [0] * len(g.outputs)
         self.bound: Bound | None = None
+        # Bound once: ``run`` calls them for every op node (no reference back to the pass).
+        self._run, self._hold, self._discard, self._done = (
+            executor.run,
+            executor.hold,
+            executor.discard,
+            executor.done,
+        )
 
     def start(
         self,
@@ -147,6 +156,7 @@ class Pass:
         self.transient = mark_transient(
             self.g, self.kept, self.uses, self.transient_min_bytes, self.live
         )
+        self.any_transient = any(self.transient)
 
     def free(self, v: int) -> None:
         """Free the cached value ``v``."""
@@ -173,9 +183,11 @@ class Pass:
     def run(self, j: int) -> None:
         """Run op node ``j``: cache its outputs with a pending use, take a use of each
         recomputed input (Note [Use counts and freeing])."""
-        ex, kept, uses, cached = self.executor, self.kept, self.uses, self.cached
-        bound = self.bound if self.bound is not None and self.bound.limit > 0 else None
-        ex.run(j)
+        kept, uses, cached, transient = self.kept, self.uses, self.cached, self.transient
+        bound = self.bound
+        if bound is not None and bound.limit <= 0:
+            bound = None
+        self._run(j)
         self.ran[j] = True
         self.runs[j] += 1
         if bound is not None:
@@ -184,17 +196,22 @@ class Pass:
         for o in outs:
             if not kept[o] and uses[o] > 0 and not cached[o]:
                 cached[o] = True
-                ex.hold(o)
+                self._hold(o)
                 if bound is not None:
                     bound.made(o)
             else:
-                ex.discard(o)
-        ex.done(j)
-        if outs and self.transient[outs[0]]:
+                self._discard(o)
+        self._done(j)
+        if outs and transient[outs[0]]:
             return  # its inputs are released with its value's uses
         for i in self.g.inputs[j]:
             if not kept[i]:
-                self.use(i)
+                if transient[i]:
+                    self.use(i)
+                else:  # ``use``, inlined for the common value
+                    uses[i] -= 1
+                    if uses[i] <= 0 and cached[i]:
+                        self.free(i)
                 if bound is not None:
                     bound.read(i)
 
@@ -228,12 +245,13 @@ class Pass:
                 if cached[outs[0]]:
                     continue
             elif ran[j]:
-                if expanded:
+                if expanded and self.any_transient:
                     self._unpin(j)
                 continue
             if expanded:
                 self.run(j)
-                self._unpin(j)
+                if self.any_transient:
+                    self._unpin(j)
                 continue
             stack.append((j, True))
             for i in inputs[j]:

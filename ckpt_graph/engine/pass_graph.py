@@ -264,11 +264,13 @@ def free_use(
             continue
         if p < 0 or not may_run[p]:
             continue
-        if any(not kept[o] and live_uses[o] > 0 for o in outputs[p]):
-            continue
-        may_run[p] = False
-        dead(p)
-        stack.extend(inputs[p])
+        for o in outputs[p]:  # a loop, not any(): it runs for every freed saved tensor
+            if not kept[o] and live_uses[o] > 0:
+                break
+        else:
+            may_run[p] = False
+            dead(p)
+            stack.extend(inputs[p])
 
 
 def is_dead(g: PassGraph, live_uses: Sequence[int], may_run: Sequence[bool], j: int) -> bool:

@@ -53,7 +53,6 @@ callback that ends a partial backward.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,14 +70,31 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TRANSIENT_MIN_BYTES",
+    "CacheBytes",
     "PassState",
     "begin_pass",
     "count_live_uses",
     "end_pass",
     "free_use",
     "live_forward",
+    "number_node",
     "pass_graph",
 ]
+
+
+class CacheBytes:
+    """Bytes of the recomputed values a pass caches: ``now`` and the ``peak`` of the pass.
+
+    Its own object, shared by ``PassState`` and the pass's executor (``realize.Runner``),
+    which counts them without a reference back to the pass state (the state refers to the
+    pass, the pass to its executor).
+    """
+
+    __slots__ = ("now", "peak")
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.peak = 0
 
 
 class PassState:
@@ -89,12 +105,19 @@ class PassState:
         number: passes begun so far.
         recomputed_ops: op node runs in the current or last pass.
         cached_bytes: bytes of the recomputed values cached now (views and live forward
-            tensors not counted).
+            tensors not counted; read-only, counted in ``cache_bytes``).
         peak_cached_bytes: the most ``cached_bytes`` reached in the current or last pass.
+        cache_bytes: the two counts above (:class:`CacheBytes`).
         core: the running pass (``pass_core.Pass``), ``None`` between passes.
         graph: the region's graph numbered for the pass rules (``pass_graph``).
-        handles: the region's values by number.
-        index: per handle, its number.
+        handles: the region's values by number (``Handle.number``), in the order they were
+            made (see Note [Values numbered as recorded]).
+        node_inputs: per op node, the numbers of its distinct input values.
+        node_outputs: per op node, the numbers of its tensor outputs.
+        transient_ok: per op node, whether its output may be transient (``PassGraph``).
+        kept: from region exit on, per value, whether it is kept now (a changed kept value
+            becomes recomputed at a pass's start: Note [Kept values changed after the
+            region]).
         live_uses: from region exit on, across passes, per value: the saved tensors and op
             nodes that may still run that need it; a kept value is freed at zero (see Note
             [Releasing kept values]).
@@ -105,34 +128,48 @@ class PassState:
 
     __slots__ = (
         "_last_closed",
-        "cached_bytes",
+        "cache_bytes",
         "core",
         "graph",
         "handles",
-        "index",
+        "kept",
         "live_uses",
         "may_run",
+        "node_inputs",
+        "node_outputs",
         "number",
         "numbered",
-        "peak_cached_bytes",
         "recomputed_ops",
         "task",
+        "transient_ok",
     )
 
     def __init__(self) -> None:
         self.task = -2
         self.number = 0
         self.recomputed_ops = 0
-        self.cached_bytes = 0
-        self.peak_cached_bytes = 0
+        self.cache_bytes = CacheBytes()
         self.core: Pass | None = None
         self.graph: PassGraph | None = None
-        self.handles: list[Handle] = []
-        self.index: dict[Handle, int] = {}
+        self.handles: list[Handle] = []  # See Note [Values numbered as recorded].
+        self.node_inputs: list[tuple[int, ...]] = []
+        self.node_outputs: list[tuple[int, ...]] = []
+        self.transient_ok: list[bool] = []
+        self.kept: list[bool] = []
         self.live_uses: list[int] = []  # See Note [Releasing kept values].
         self.may_run: list[bool] = []
-        self.numbered = (-1, -1)  # op nodes and region inputs when ``graph`` was built
+        self.numbered = (-1, -1)  # op nodes and values when ``graph`` was built
         self._last_closed = 0  # segments the last bounded pass closed
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of the recomputed values cached now (``CacheBytes.now``)."""
+        return self.cache_bytes.now
+
+    @property
+    def peak_cached_bytes(self) -> int:
+        """The most ``cached_bytes`` reached in the current or last pass."""
+        return self.cache_bytes.peak
 
     @property
     def closed_segments(self) -> int:
@@ -144,55 +181,66 @@ class PassState:
         return self._last_closed
 
 
-def pass_graph(region: Region) -> tuple[PassGraph, list[Handle], dict[Handle, int]]:
-    """The region's graph numbered for the pass rules: region inputs first, then the outputs
-    of each op node; memoized while the region records nothing new. See Note [One pass
-    core]."""
+# Note [Values numbered as recorded]
+# The pass rules work on integers (Note [One pass core]). A handle gets its number when it
+# is made (``Handle.number``, its position in ``PassState.handles``): region inputs as the
+# region first sees them, op node outputs as the op node is recorded, so the numbers follow
+# the forward. Each recorded op node appends its row of the pass graph at once
+# (``number_node``): the numbers of its distinct inputs and of its outputs. The tuples are
+# shared where equal, as the recorder shares handle tuples (Note [One recording path],
+# rule 3): an op node whose only input is the only output of its producer reuses the
+# producer's outputs row. Region exit then only wraps these rows (``pass_graph``): no walk
+# over the op nodes and no dictionary from handles to numbers, whose per-op tuples, made all
+# at once at exit, cost more than the numbering itself (they start garbage collections there).
+
+
+def number_node(state: PassState, node: OpNode) -> None:
+    """Append the pass graph row of a recorded op node, whose outputs are numbered. See
+    Note [Values numbered as recorded]."""
+    outs = node.outputs
+    node_outputs = state.node_outputs
+    if len(outs) == 1 and outs[0] is not None:
+        row: tuple[int, ...] = (outs[0].number,)
+        info = node.info
+        state.transient_ok.append(info.is_pointwise and not info.writes and not info.is_random)
+    else:
+        row = tuple([o.number for o in outs if o is not None])
+        state.transient_ok.append(False)
+    inputs = node.inputs
+    if len(inputs) == 1:
+        h = inputs[0]
+        p = h.node_index
+        ins = node_outputs[p] if p >= 0 else ()
+        if len(ins) != 1 or ins[0] != h.number:
+            ins = (h.number,)
+    elif len(inputs) == 2:
+        ins = (inputs[0].number, inputs[1].number)
+    else:
+        ins = tuple([i.number for i in inputs])
+    state.node_inputs.append(ins)
+    node_outputs.append(row)
+
+
+def pass_graph(region: Region) -> tuple[PassGraph, list[Handle]]:
+    """The region's graph numbered for the pass rules, and its values by number; memoized
+    while the region records nothing new. See Note [Values numbered as recorded]."""
     state = region.pass_state
-    nodes = region.nodes
+    handles = state.handles
     g = state.graph
-    if g is not None and state.numbered == (len(nodes), len(region.inputs)):
-        return g, state.handles, state.index
-    handles: list[Handle] = list(region.inputs)
-    index = {h: v for v, h in enumerate(handles)}
-    outputs: list[tuple[int, ...]] = []
-    for node in nodes:
-        outs = []
-        for o in node.outputs:
-            if o is not None:
-                index[o] = len(handles)
-                outs.append(len(handles))
-                handles.append(o)
-        outputs.append(tuple(outs))
-    inputs: list[tuple[int, ...]] = []
-    for node in nodes:
-        ins = []
-        for i in node.inputs:
-            v = index.get(i)
-            if v is None:  # a value no op made and not listed as an input: kept as one
-                v = index[i] = len(handles)
-                handles.append(i)
-            ins.append(v)
-        inputs.append(tuple(ins))
+    if g is not None and state.numbered == (len(state.node_inputs), len(handles)):
+        return g, handles
     g = PassGraph(
-        inputs=inputs,
-        outputs=outputs,
+        inputs=list(state.node_inputs),
+        outputs=list(state.node_outputs),
         producer=[h.node_index for h in handles],
         nbytes=[h.nbytes for h in handles],
         view=[h.is_view for h in handles],
         has_views=[h.has_views for h in handles],
-        transient_ok=[
-            n.info.is_pointwise
-            and not n.info.writes
-            and not n.info.is_random
-            and len(n.outputs) == 1
-            and n.outputs[0] is not None
-            for n in nodes
-        ],
+        transient_ok=list(state.transient_ok),
     )
-    state.graph, state.handles, state.index = g, handles, index
-    state.numbered = (len(nodes), len(region.inputs))
-    return g, handles, index
+    state.graph = g
+    state.numbered = (len(state.node_inputs), len(handles))
+    return g, handles
 
 
 def begin_pass(region: Region, task: int, executor: Executor) -> None:
@@ -204,10 +252,10 @@ def begin_pass(region: Region, task: int, executor: Executor) -> None:
     state.task = task
     state.number += 1
     state.recomputed_ops = 0
-    state.peak_cached_bytes = 0
+    state.cache_bytes.peak = 0
     state._last_closed = 0
     _recompute_changed_kept(region)
-    g, handles, _ = pass_graph(region)
+    g, handles = pass_graph(region)
     kept = [h.reason is not None for h in handles]
     uses = [0 if k else h.saved_refs for h, k in zip(handles, kept, strict=True)]
     cached = [False] * len(handles)
@@ -335,6 +383,9 @@ def _recompute_changed_kept(region: Region) -> None:
                     unavailable.add(o)
                     continue
                 free_kept(region, o)
+                kept = region.pass_state.kept
+                if o.number < len(kept):  # counted at region exit: now recomputed
+                    kept[o.number] = False
                 _hold_inputs(region, node)
             elif o.value is None and _forward_tensor(o) is None:
                 unavailable.add(o)
@@ -386,7 +437,7 @@ def end_pass(region: Region) -> None:
     """Free everything the pass left cached and forget its use counts."""
     state = region.pass_state
     state.task = -2
-    state.cached_bytes = 0
+    state.cache_bytes.now = 0
     core = state.core
     if core is not None and core.bound is not None:
         state._last_closed = core.bound.closed_segments
@@ -423,12 +474,13 @@ def count_live_uses(region: Region) -> None:
     The sweep is the pass's (``pass_graph.count_uses``, Note [One pass core]), counting
     kept inputs too. See Note [Releasing kept values].
     """
-    g, handles, _ = pass_graph(region)
+    g, handles = pass_graph(region)
     state = region.pass_state
     kept = [h.reason is not None for h in handles]
     live_uses = [h.saved_refs for h in handles]
     state.may_run = count_uses(g, kept, live_uses, all_inputs=True)
     state.live_uses = live_uses
+    state.kept = kept
     for j, node in enumerate(region.nodes):
         if node.rng is not None and is_dead(g, live_uses, state.may_run, j):
             node.rng = None
@@ -440,8 +492,12 @@ def count_live_uses(region: Region) -> None:
 def free_use(region: Region, h: Handle) -> None:
     """A saved tensor of ``h`` was freed: take one live use (``pass_graph.free_use``). See
     Note [Releasing kept values]."""
-    g, handles, index = pass_graph(region)
     state = region.pass_state
+    live_uses, v = state.live_uses, h.number
+    if live_uses[v] > 1:  # ``free_use``'s first step when it frees nothing: the common case
+        live_uses[v] -= 1
+        return
+    g, handles = pass_graph(region)
     nodes = region.nodes
 
     def free_kept(v: int) -> None:
@@ -452,20 +508,4 @@ def free_use(region: Region, h: Handle) -> None:
         if node.rng is not None and is_dead(g, state.live_uses, state.may_run, j):
             node.rng = None
 
-    _free_use(g, _Kept(handles), state.live_uses, state.may_run, index[h], free_kept, dead)
-
-
-class _Kept(Sequence[bool]):
-    """Per value number, whether the value is kept now (a changed kept value becomes
-    recomputed at a pass's start: Note [Kept values changed after the region])."""
-
-    __slots__ = ("handles",)
-
-    def __init__(self, handles: list[Handle]) -> None:
-        self.handles = handles
-
-    def __len__(self) -> int:
-        return len(self.handles)
-
-    def __getitem__(self, v: int) -> bool:  # type: ignore[override]
-        return self.handles[v].reason is not None
+    _free_use(g, state.kept, live_uses, state.may_run, v, free_kept, dead)

@@ -89,7 +89,7 @@ def unpack_value(region: Region, h: Handle, packed: Any = None) -> torch.Tensor:
             value = live if live is not None else realize(region, h)
             core = state.core
             assert core is not None
-            core.use(state.index[h])
+            core.use(h.number)
             if packed is not None:
                 packed.read = state.number
     finally:
@@ -107,7 +107,7 @@ def realize(region: Region, h: Handle) -> torch.Tensor:
     assert core is not None
     replay = enter_replay(region)  # set up by hand: it runs once per unpack that recomputes
     try:
-        core.realize(state.index[h])
+        core.realize(h.number)
     finally:
         exit_replay(region, replay)
     if h.cache is None:
@@ -151,48 +151,46 @@ class Runner:
     It refers to its region weakly: the region's pass state refers to the pass, which
     refers to its executor, and a pass whose backward failed is never ended (no end-of-pass
     callback), so a strong reference would be a cycle holding the region's cached values
-    until a gc pass.
+    until a gc pass. What it reads per op (the op nodes, the values by number, the byte
+    counts) it holds directly: none of them refers back to the pass.
     """
 
-    __slots__ = ("made", "region")
+    __slots__ = ("bytes", "handles", "made", "nodes", "region")
 
     def __init__(self, region: Region) -> None:
         self.region = weakref.ref(region)
-        self.made: dict[Handle, Any] = {}  # outputs of the op node just run
-
-    def _region(self) -> Region:
-        region = self.region()
-        assert region is not None  # a region runs its own passes
-        return region
+        state = region.pass_state
+        self.nodes = region.nodes
+        self.handles = state.handles
+        self.bytes = state.cache_bytes
+        self.made: tuple[Any, ...] = ()  # outputs of the op node just run
 
     def run(self, j: int) -> None:
         """Run op node ``j`` (see ``run_node``)."""
-        region = self._region()
-        node = region.nodes[j]
-        outs = run_node(region, node)
-        self.made = {o: v for o, v in zip(node.outputs, outs, strict=True) if o is not None}
+        region = self.region()
+        assert region is not None  # a region runs its own passes
+        self.made = run_node(region, self.nodes[j])
 
     def hold(self, o: int) -> None:
-        state = self._region().pass_state
-        h = state.handles[o]
-        h.cache = self.made[h]
+        h = self.handles[o]
+        h.cache = self.made[h.output_index]
         if not h.is_view:  # a view's bytes belong to its base
-            state.cached_bytes += h.nbytes
-            if state.cached_bytes > state.peak_cached_bytes:
-                state.peak_cached_bytes = state.cached_bytes
+            counts = self.bytes
+            counts.now += h.nbytes
+            if counts.now > counts.peak:
+                counts.peak = counts.now
 
     def discard(self, o: int) -> None:
-        pass  # dropped with ``made`` at the next run or the end of the realize
+        pass  # dropped with ``made`` when the node is done
 
     def done(self, j: int) -> None:
-        self.made = {}
+        self.made = ()
 
     def free(self, v: int) -> None:
-        state = self._region().pass_state
-        h = state.handles[v]
+        h = self.handles[v]
         h.cache = None
         if not h.is_view and not h.live:
-            state.cached_bytes -= h.nbytes
+            self.bytes.now -= h.nbytes
 
 
 def run_node(region: Region, node: OpNode) -> tuple[Any, ...]:
@@ -204,7 +202,7 @@ def run_node(region: Region, node: OpNode) -> tuple[Any, ...]:
     state = region.pass_state
     core = state.core
     assert core is not None
-    index, uses = state.index, core.uses
+    uses = core.uses
     args = [_value(region, a) for a in node.args]
     kwargs = {k: _value(region, v) for k, v in node.kwargs.items()} if node.kwargs else {}
     info = node.info
@@ -217,7 +215,7 @@ def run_node(region: Region, node: OpNode) -> tuple[Any, ...]:
             h.reason is None
             and not h.is_view
             and not h.has_views
-            and uses[index[h]] <= 1
+            and uses[h.number] <= 1
             and not h.live  # the program's tensor: see Note [Live forward tensors]
             # an unsafe_chunk output aliases the value it was cut from, which may be kept
             and region.nodes[h.node_index].op not in UNANNOTATED_ALIASES
@@ -276,7 +274,7 @@ def realize_again(region: Region, h: Handle) -> torch.Tensor:
     core = state.core
     assert core is not None
     # The op nodes from ``h`` back to kept and cached values, once each, in forward order.
-    order, _ = collect(core.g, (state.index[h],), core.kept, core.cached)
+    order, _ = collect(core.g, (h.number,), core.kept, core.cached)
     # id(handle) -> value of this call. No closures over it: a nested function that
     # calls itself is a reference cycle, which would keep the values until a gc pass.
     local: dict[int, torch.Tensor] = {}

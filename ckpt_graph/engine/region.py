@@ -215,7 +215,9 @@ class Region:
             reason = graph.MUTATED_ALIAS
         else:
             reason = graph.INPUT
-        h = Handle(t, -1, -1, len(self.inputs))
+        values = self.pass_state.handles  # See Note [Values numbered as recorded].
+        h = Handle(t, -1, -1, len(values), len(self.inputs))
+        values.append(h)
         self.inputs.append(h)
         ids[id(t)] = h
         hold(self, h, t, reason)

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph.engine.graph import Handle, OpNode
 from ckpt_graph.engine.op_info import UNANNOTATED_ALIASES, OpInfo, op_info
+from ckpt_graph.engine.passes import number_node
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
@@ -136,13 +137,16 @@ def rebase(region: Region, t: torch.Tensor, old: Handle) -> Handle | None:
     head.forward_uses += 1
     head.recompute_input = True
     head.has_views = True
-    h = Handle(t, index, 0)
+    values = region.pass_state.handles  # See Note [Values numbered as recorded].
+    h = Handle(t, index, 0, len(values))
+    values.append(h)
     h.is_view = True  # its bytes belong to the last write's value; its own base
     node.outputs = (h,)
     node.decision = CheckpointPolicy.PREFER_RECOMPUTE
     node.decided_by = "engine"
     node.module_path = region.module_stack.current_path
     region.nodes.append(node)
+    number_node(region.pass_state, node)
     history.roots.add(h)
     return h
 
