@@ -87,15 +87,17 @@ def one_region(w: Workload, policy: object) -> Callable[[], object]:
 def planned(
     w: Workload, budget: float | int, notes: dict[str, str], key: str, reports: dict[str, object]
 ) -> Callable[[], object]:
-    """A one-region ``memory_budget`` forward that already planned (one step run here)."""
+    """A one-region ``memory_budget`` forward that already planned (three steps run here:
+    the heuristic's, then the measured check's, Note [Measured budget check])."""
     policy = memory_budget(budget, flops_per_byte=FLOPS_PER_BYTE)
     forward = one_region(w, policy)
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for p in w.model.parameters():
-            p.grad = None
-        w.loss(forward()).backward()  # decided by the heuristic; the plan follows
+        for _ in range(3):  # heuristic; first plan, measured; re-planned if it missed
+            for p in w.model.parameters():
+                p.grad = None
+            w.loss(forward()).backward()
         report = policy.report()
     reports[key] = report
     first = str(report).splitlines()[0] if report is not None else "no plan"

@@ -1,0 +1,83 @@
+"""What the measured budget check costs: a step under the probe vs the same step without it.
+
+``memory_budget(bytes)`` measures its first planned step (and one more after a re-plan) by
+default (Note [Measured budget check]); on CPU that step runs under torch's profiler with
+memory events. For each model of the zoo named, one region with ``memory_budget`` at
+torch per block's measured peak (``flops_per_byte`` pinned, ``check=False`` so that nothing
+is measured behind the benchmark's back) is planned on two steps, then the planned step is
+timed ``--repeat`` times alternately with and without a :class:`ckpt_graph.memory.StepProbe`
+running over it (started before the forward, stopped after the backward, as the policy
+does). Printed: median wall time of each and their ratio, measured side by side.
+
+Run: ``python benchmarks/bench_budget_check.py [--models hf-gpt2 ...] [--repeat 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import ckpt_graph as cg
+from ckpt_graph.compare.strategies import make_forward
+from ckpt_graph.compare.zoo import Workload, build_workload
+from ckpt_graph.memory import StepProbe, measure
+from ckpt_graph.policies import memory_budget
+
+FLOPS_PER_BYTE = 2.0
+
+
+def _step(w: Workload, forward: Callable[[], Any]) -> None:
+    for p in w.model.parameters():
+        p.grad = None
+    w.loss(forward()).backward()
+
+
+def one_model(name: str, repeat: int) -> tuple[float, float]:
+    """Median seconds of the planned step without and with a probe over it."""
+    torch.manual_seed(0)
+    w = build_workload(name)
+    budget = measure(_step, w, make_forward("torch-ckpt", w)).peak_bytes
+    policy = memory_budget(budget, flops_per_byte=FLOPS_PER_BYTE, check=False)
+
+    def forward() -> Any:
+        with cg.save_recompute_policy(policy):
+            return w.model(*w.inputs)
+
+    for _ in range(2):  # the heuristic's step, then the plan's
+        _step(w, forward)
+    plain: list[float] = []
+    probed: list[float] = []
+    for _ in range(repeat):  # alternately: side by side
+        t0 = time.perf_counter()
+        _step(w, forward)
+        plain.append(time.perf_counter() - t0)
+        probe = StepProbe("cpu")
+        t0 = time.perf_counter()
+        if not probe.start():
+            raise RuntimeError(f"the probe did not start: {probe.why}")
+        _step(w, forward)
+        probe.stop()
+        probed.append(time.perf_counter() - t0)
+    return statistics.median(plain), statistics.median(probed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=["hf-gpt2", "hf-convnext", "torch-loop"])
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print("| model | step ms | step ms under the probe | ratio |")
+    print("|---|---:|---:|---:|")
+    for name in args.models:
+        a, b = one_model(name, args.repeat)
+        print(f"| {name} | {a * 1e3:.0f} | {b * 1e3:.0f} | {b / a:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
