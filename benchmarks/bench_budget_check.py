@@ -7,7 +7,8 @@ torch per block's measured peak (``flops_per_byte`` pinned, ``check=False`` so t
 is measured behind the benchmark's back) is planned on two steps, then the planned step is
 timed ``--repeat`` times alternately with and without a :class:`ckpt_graph.memory.StepProbe`
 running over it (started before the forward, stopped after the backward, as the policy
-does). Printed: median wall time of each and their ratio, measured side by side.
+does). Printed: median process CPU time of each (one thread: steadier than wall time on a
+shared machine) and their ratio, measured side by side.
 
 Run: ``python benchmarks/bench_budget_check.py [--models hf-gpt2 ...] [--repeat 5]``.
 """
@@ -38,7 +39,7 @@ def _step(w: Workload, forward: Callable[[], Any]) -> None:
 
 
 def one_model(name: str, repeat: int) -> tuple[float, float]:
-    """Median seconds of the planned step without and with a probe over it."""
+    """Median CPU seconds of the planned step without and with a probe over it."""
     torch.manual_seed(0)
     w = build_workload(name)
     budget = measure(_step, w, make_forward("torch-ckpt", w)).peak_bytes
@@ -53,16 +54,16 @@ def one_model(name: str, repeat: int) -> tuple[float, float]:
     plain: list[float] = []
     probed: list[float] = []
     for _ in range(repeat):  # alternately: side by side
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         _step(w, forward)
-        plain.append(time.perf_counter() - t0)
+        plain.append(time.process_time() - t0)
         probe = StepProbe("cpu")
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         if not probe.start():
             raise RuntimeError(f"the probe did not start: {probe.why}")
         _step(w, forward)
         probe.stop()
-        probed.append(time.perf_counter() - t0)
+        probed.append(time.process_time() - t0)
     return statistics.median(plain), statistics.median(probed)
 
 

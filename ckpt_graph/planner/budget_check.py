@@ -25,10 +25,12 @@
 #    plan predicted, what it cannot decide (values kept whatever the plan: tags, other
 #    policies, activation inputs; generator states) and what lies outside its model
 #    (parameters' gradients, memory outside the regions and the simulator's error), and
-#    whether the plan is the lowest-peak one the planner found. That is the only warning:
-#    the planner's "no plan found" (a prediction) waits for the next step, and is given
-#    only if that step cannot be measured; a measured step settles it (a plan predicted
-#    not to fit whose step measures within the budget needs no warning).
+#    whether the plan is the lowest-peak one the planner found. The re-plan's own "no
+#    plan found" (a prediction with the correction) waits for the next step and is given
+#    only if that step cannot be measured: a measured step settles it (within the
+#    budget: no warning), so a budget the correction puts out of reach warns once. A
+#    first plan that does not fit even the planner's model warns at once, as without
+#    the check (the measured verdict follows, with its figures).
 # 4. A fraction budget is relative to the step's own simulated peak without
 #    checkpointing: it is not corrected, and ``"auto"`` does not measure it (``True``
 #    does, for the report).

@@ -157,11 +157,11 @@ class BudgetPlanner:
                 warnings.warn(pending, stacklevel=4)
 
     def _warn_plan(self, message: str) -> None:
-        """Warn that no plan fits, or leave it to the measured check when the next step
-        will be measured: a step that measures within the budget needs no warning, and
-        one that misses it warns once with the measured figures (rule 3 of Note
+        """Warn that no plan fits; after a measured miss, leave it to the measured check
+        when the next step will be measured: the re-planned step measures within the
+        budget (no warning) or warns once with the measured figures (rule 3 of Note
         [Measured budget check])."""
-        if self.check.on and not self._fraction:  # a fraction is not corrected (rule 4)
+        if self.check.correction and not self._fraction:
             self._pending = message  # decided when the next step starts
         else:
             warnings.warn(message, stacklevel=6)

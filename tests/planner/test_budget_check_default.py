@@ -125,9 +125,12 @@ def test_default_byte_budget_out_of_reach_warns_once_with_the_excess() -> None:
         for _ in range(5):
             blocks_step(blocks, policy, x)
     messages = [str(c.message) for c in caught]
-    assert len(messages) == 1, messages
-    assert OVER.search(messages[0]) is not None
-    assert f"parameters' gradients {grads / MIB:.3f} MiB" in messages[0]
+    # The first plan does not fit the planner's own model: that warns at once; the
+    # re-plan's prediction waits for its measured step, which warns once with the excess.
+    assert [m for m in messages if "no plan found" in m] == messages[:1], messages
+    measured = [m for m in messages if OVER.search(m) is not None]
+    assert len(measured) == 1 and len(messages) == 2, messages
+    assert f"parameters' gradients {grads / MIB:.3f} MiB" in measured[0]
     report = policy.report()
     assert report is not None
     assert "over" in str(report).splitlines()[0]

@@ -142,8 +142,7 @@ def test_budget_out_of_reach_warns_once_by_how_much_and_why() -> None:
     model = _model(16, 2)
     x = torch.randn(2, 16, 16, 16)
     budget = 4096
-    # Unmeasured: the planner's own warning (a measured step settles it instead).
-    policy = memory_budget(budget, flops_per_byte=FPB, check=False)
+    policy = memory_budget(budget, flops_per_byte=FPB)
     run = _one_region(model, policy)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
