@@ -1,4 +1,13 @@
-"""What the measured budget check costs: a step under the probe vs the same step without it.
+"""What the measured budget check does and costs, on zoo models.
+
+**Promise** (``--promise``): ``memory_budget(B)`` with ``B`` each torch configuration's
+measured step peak (per block, groups of round(sqrt(N)) blocks, SAC saving matmuls), one
+region over the model, ``check=False`` (the default before) against the default
+(``check="auto"``): three steps (the heuristic's, the first plan's, measured, and the
+re-plan's if it missed), then a step measured with ``ckpt_graph.memory.measure``. Printed:
+that step's peak against torch's, the warnings, the correction and the plan's recompute.
+
+**Cost** (the default):
 
 ``memory_budget(bytes)`` measures its first planned step (and one more after a re-plan) by
 default (Note [Measured budget check]); on CPU that step runs under torch's profiler with
@@ -10,7 +19,8 @@ running over it (started before the forward, stopped after the backward, as the 
 does). Printed: median process CPU time of each (one thread: steadier than wall time on a
 shared machine) and their ratio, measured side by side.
 
-Run: ``python benchmarks/bench_budget_check.py [--models hf-gpt2 ...] [--repeat 5]``.
+Run: ``python benchmarks/bench_budget_check.py [--models hf-gpt2 ...] [--repeat 5]
+[--promise]``.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +41,7 @@ from ckpt_graph.memory import StepProbe, measure
 from ckpt_graph.policies import memory_budget
 
 FLOPS_PER_BYTE = 2.0
+MIB = 2**20
 
 
 def _step(w: Workload, forward: Callable[[], Any]) -> None:
@@ -67,12 +79,59 @@ def one_model(name: str, repeat: int) -> tuple[float, float]:
     return statistics.median(plain), statistics.median(probed)
 
 
+def promise(name: str) -> list[str]:
+    """Table rows of the promise check of one model (module docstring)."""
+    torch.manual_seed(0)
+    w = build_workload(name)
+    rows = []
+    for t in ("torch-ckpt", "torch-sqrt", "torch-sac"):
+        budget = measure(_step, w, make_forward(t, w)).peak_bytes
+        cells = [name, t, f"{budget / MIB:.1f}"]
+        for check in (False, "auto"):
+            policy = memory_budget(budget, flops_per_byte=FLOPS_PER_BYTE, check=check)
+
+            def forward(policy: object = policy) -> Any:
+                with cg.save_recompute_policy(policy):  # type: ignore[arg-type]
+                    return w.model(*w.inputs)
+
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(3):
+                    _step(w, forward)
+                report = policy.report()
+                peak = measure(_step, w, forward).peak_bytes
+            assert report is not None
+            said = "; ".join(str(c.message)[:90] for c in caught) or "none"
+            cells += [
+                f"{peak / budget:.2f}x",
+                f"{report.correction_bytes / MIB:.2f}",  # type: ignore[attr-defined]
+                f"{report.predicted_recompute_flops / 1e9:.3f}",
+                said,
+            ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=["hf-gpt2", "hf-convnext", "torch-loop"])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--promise", action="store_true", help="the promise table instead")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.promise:
+        head = ["peak / torch", "correction MiB", "plan's recompute GFLOP", "warnings"]
+        print(
+            "| model | at | torch MiB | "
+            + " | ".join(f"check=False: {h}" for h in head)
+            + " | "
+            + " | ".join(f"default: {h}" for h in head)
+            + " |"
+        )
+        print("|---" * 11 + "|")
+        for name in args.models:
+            print("\n".join(promise(name)), flush=True)
+        return
     print("| model | step ms | step ms under the probe | ratio |")
     print("|---|---:|---:|---:|")
     for name in args.models:

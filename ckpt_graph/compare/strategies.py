@@ -34,6 +34,7 @@ __all__ = [
     "STRATEGIES",
     "StrategySkipped",
     "make_forward",
+    "settling",
 ]
 
 aten = torch.ops.aten
@@ -232,6 +233,12 @@ def make_forward(
 
 # The policy object behind a one-region forward, for its report (e.g. memory_budget's plan).
 _POLICIES: weakref.WeakKeyDictionary[Callable[[], object], object] = weakref.WeakKeyDictionary()
+
+
+def settling(forward: _Forward) -> bool:
+    """Whether the policy behind ``forward`` still wants steps before it is measured or
+    timed (``memory_budget``'s measured check: See Note [Measured budget check])."""
+    return bool(getattr(_POLICIES.get(forward), "checking", False))
 
 
 def _policy_note(forward: _Forward) -> str:

@@ -183,6 +183,14 @@ class BudgetCheck:
             self.why = probe.why
 
     @property
+    def pending(self) -> bool:
+        """Whether the check still wants steps: a probe runs, or a planned step is still
+        to be measured (rule 1; at most ``_CHECKS`` measured and ``_TRIES`` tried)."""
+        if not self.on:
+            return False
+        return self._probe is not None or (self._checks < _CHECKS and self._tries < _TRIES)
+
+    @property
     def measuring(self) -> bool:
         """Whether a probe is running (or holds a figure not yet compared)."""
         return self._probe is not None

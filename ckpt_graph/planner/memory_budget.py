@@ -176,6 +176,13 @@ class MemoryBudget:
         return f"memory_budget({self.budget!r})"
 
     @property
+    def checking(self) -> bool:
+        """Whether the measured check still wants steps (Note [Measured budget check]): a
+        harness that times or measures steps runs them first, so that the profiler of the
+        check meets neither its timing nor its own measurement."""
+        return self.planner.check.pending
+
+    @property
     def compile_fraction(self) -> float | None:
         """The budget as the partitioner's fraction under torch.compile (``None``: bytes).
 

@@ -228,3 +228,17 @@ def test_fraction_budgets_are_not_measured_by_default() -> None:
 def test_check_must_be_auto_or_a_bool(check: object) -> None:
     with pytest.raises(CkptGraphValueError, match=r"^ckpt_graph: memory_budget\(check="):
         memory_budget(1 << 20, check=check)  # type: ignore[arg-type]
+
+
+def test_checking_says_when_the_measured_check_is_done() -> None:
+    # A harness (compare's runner) runs these steps before it measures or times any.
+    blocks, x = mlp_blocks(), torch.randn(256, 128)
+    policy = memory_budget(int(0.9 * measure(blocks_step, blocks, None, x).peak_bytes))
+    steps = 0
+    while policy.checking and steps < 6:
+        blocks_step(blocks, policy, x)
+        steps += 1
+    assert steps == 3  # the heuristic's, the first plan's (measured), the one that compares
+    report = policy.report()
+    assert report is not None and report.checked.startswith("within the budget")
+    assert not memory_budget(0.5).checking and not memory_budget(1 << 20, check=False).checking
