@@ -15,7 +15,10 @@ the measured check's re-plan, the warnings).
 #    backward temporaries (``SimResult.peak_total_bytes``), and a fraction is of that peak
 #    without checkpointing (Note [Step budget across regions] rule 1). A step of several
 #    regions is planned jointly; a step of one region by the solver alone, against the
-#    same figure (its forward peak is not budgeted there). Before, one region's budget
+#    same figure (its forward peak is not budgeted there). What that figure leaves out
+#    (parameters' gradients, memory outside the regions, the simulator's error) a byte
+#    budget learns from its first planned step, measured by default (Note [Measured
+#    budget check]); a fraction keeps its meaning. Before, one region's budget
 #    bounded its *activation* peak, a fraction of its saved bytes: the measured step
 #    follows the peak with gradients, and the cheapest plans within an activation budget
 #    held their activations where the gradients peak (at the head's backward). On the
