@@ -207,7 +207,12 @@ class MemoryBudget:
             run.depth += 1
             return
         if self.planner.check.measuring and self.steps.ended():
-            self.planner.check.finish()  # See Note [Measured budget check] rule 1.
+            state = region.recording
+            recording, state.on = state.on, False  # the profiler's stop: not the region's ops
+            try:
+                self.planner.check.finish()  # See Note [Measured budget check] rule 1.
+            finally:
+                state.on = recording
         if not torch.is_grad_enabled():  # not a training step: See Note [Memory budget policy]
             return
         if self.steps.over():  # a new step: plan the last one

@@ -242,3 +242,20 @@ def test_checking_says_when_the_measured_check_is_done() -> None:
     report = policy.report()
     assert report is not None and report.checked.startswith("within the budget")
     assert not memory_budget(0.5).checking and not memory_budget(1 << 20, check=False).checking
+
+
+def test_a_no_grad_region_after_the_probed_step_stops_the_probe() -> None:
+    # An evaluation pass after the measured step does not run under the check's profiler,
+    # and the profiler's stop is not recorded as the evaluation region's op.
+    blocks, x = mlp_blocks(), torch.randn(256, 128)
+    policy = memory_budget(int(0.9 * measure(blocks_step, blocks, None, x).peak_bytes))
+    blocks_step(blocks, policy, x)
+    blocks_step(blocks, policy, x)  # probed
+    assert policy.planner.check.measuring
+    with torch.no_grad(), cg.save_recompute_policy(policy) as region:
+        blocks[0](x)
+    assert not policy.planner.check.measuring
+    assert not torch.autograd.profiler._is_profiler_enabled
+    assert all("profiler" not in str(n.op) for n in region.nodes)
+    report = policy.report()
+    assert report is not None and report.checked.startswith("within the budget")
