@@ -107,10 +107,11 @@ def test_default_byte_budget_at_torch_checkpoint_peak_on_transformers_gpt2() -> 
     assert peak <= budget, (peak / MIB, budget / MIB, messages)
 
 
-def test_default_byte_budget_at_torch_checkpoint_peak_on_the_loop_model() -> None:
-    # The project's own model: blocks called in a Python loop (nn.TransformerEncoderLayer).
+@pytest.mark.parametrize("name", ["gpt", pytest.param("torch-loop", marks=pytest.mark.slow)])
+def test_default_byte_budget_at_torch_checkpoint_peak_on_plain_models(name: str) -> None:
+    # The project's embedded GPT, and nn.TransformerEncoderLayers called in a Python loop.
     torch.manual_seed(0)
-    w = build_workload("torch-loop", layers=2, width=64, batch=2, seq_len=32)
+    w = build_workload(name, layers=2, width=64, batch=2, seq_len=32)
     peak, budget, messages, report = _promise_kept(w)
     _assert_met_or_warned(peak, budget, messages, report)
 
