@@ -312,10 +312,19 @@ class StepProbe:
     Same figures as :func:`measure` (Note [Measuring CPU memory]; the CUDA counters on
     CUDA), relative to the level at :meth:`start`.
 
+    Args:
+        device: the device whose memory is measured.
+        ended: says whether the stretch measured is over; a :func:`measure` started after
+            it ended stops the probe and keeps its peak for :meth:`stop` instead of
+            abandoning it (a program measuring its step right after the probed one).
+
     Known limitations:
         A probe cannot start while a :func:`measure`, a profiler or another probe runs
-        (``start`` then returns False); a :func:`measure` started while it runs abandons it
-        (``stop`` then returns None). On CPU the profiler records every op while it runs,
+        (``start`` then returns False); a :func:`measure` started while it runs and before
+        ``ended()`` abandons it (``stop`` then returns None, ``why`` says so), and so does a
+        profiler the program starts and stops while it runs (the profiler takes over the
+        session; a profiler still running at :meth:`stop` is stopped with it: torch keeps
+        one session per process). On CPU the profiler records every op while it runs,
         which slows that stretch several times; on CUDA it resets the process's peak
         statistic.
 
@@ -328,12 +337,17 @@ class StepProbe:
         4096
     """
 
-    def __init__(self, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, device: str | torch.device = "cpu", ended: Callable[[], bool] | None = None
+    ) -> None:
         self.device = torch.device(device)
+        self.why = ""  # why the last start or stop gave no figure ("" when it did)
+        self._ended = ended
         self._prof: profile | None = None
         self._range: Any = None
         self._start = 0
         self._abandoned = False
+        self._early: int | None = None  # the peak kept when a measure() stopped it
 
     @property
     def running(self) -> bool:
@@ -342,8 +356,12 @@ class StepProbe:
 
     def start(self) -> bool:
         """Start measuring; False (and nothing started) when another measurement runs."""
-        if self.running or not _MEASURE_LOCK.acquire(blocking=False):
+        if self.running:
             return False
+        if not _MEASURE_LOCK.acquire(blocking=False):
+            self.why = "a measure() or another probe was running"
+            return False
+        self.why = ""
         if self.device.type == "cuda":
             index = self.device.index if self.device.index is not None else 0
             torch.cuda.synchronize(index)
@@ -354,6 +372,7 @@ class StepProbe:
             return True
         if torch.autograd.profiler._is_profiler_enabled or torch._C._autograd._profiler_enabled():
             _MEASURE_LOCK.release()
+            self.why = "a profiler was running"
             return False
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         primer = torch.empty(1, dtype=torch.uint8)
@@ -366,30 +385,49 @@ class StepProbe:
         return True
 
     def abandon(self) -> None:
-        """Stop without a result: :func:`measure` was asked for while the probe ran."""
-        if self.running:
-            self._abandoned = True
-            self.stop()
+        """Stop without a result (:func:`measure` was asked for while the probe ran, or the
+        interpreter exits), unless the stretch had ended: its peak is then kept."""
+        if not self.running:
+            return
+        if self._ended is not None and self._ended():
+            self._early = self.stop()
+            return
+        self._abandoned = True
+        self.stop()
+        self.why = "a measure() started during the measured step"
 
     def stop(self) -> int | None:
-        """The peak since :meth:`start` in bytes (None if not running)."""
+        """The peak since :meth:`start` in bytes (None if not running, or if it was
+        abandoned: ``why`` says why); after a :func:`measure` stopped an ended probe, the
+        peak it kept (once)."""
         if not self.running:
-            return None
+            early, self._early = self._early, None
+            return early
         abandoned, self._abandoned = self._abandoned, False
         try:
             if self.device.type == "cuda":
                 index = self._range
                 torch.cuda.synchronize(index)
                 return int(torch.cuda.max_memory_allocated(index) - self._start)
+            # A profiler the program started meanwhile took the session over (torch keeps
+            # one): if it has stopped, none is enabled now, and ours recorded nothing since.
+            lost = not torch._C._autograd._profiler_enabled()
             self._range.__exit__(None, None, None)
             prof = self._prof
             assert prof is not None
             with _quiet_stderr():
                 prof.stop()
             results = prof.profiler.kineto_results if prof.profiler is not None else None
+            if lost:
+                self.why = "a profiler the program started took over the measured step"
+                return None
             if results is None or abandoned:
                 return None
-            return _replay(results.experimental_event_tree()).peak_bytes
+            try:
+                return _replay(results.experimental_event_tree()).peak_bytes
+            except CkptGraphError:  # no events: another session took them
+                self.why = "a profiler the program started took over the measured step"
+                return None
         finally:
             self._range = None
             self._prof = None

@@ -36,6 +36,7 @@ __all__ = [
     "StrategySkipped",
     "make_forward",
     "policy_note",
+    "settling",
 ]
 
 aten = torch.ops.aten
@@ -234,6 +235,12 @@ def make_forward(
 
 # The policy object behind a one-region forward, for its report (e.g. memory_budget's plan).
 _POLICIES: weakref.WeakKeyDictionary[Callable[[], object], object] = weakref.WeakKeyDictionary()
+
+
+def settling(forward: Forward) -> bool:
+    """Whether the policy behind ``forward`` still wants steps before it is measured or
+    timed (``memory_budget``'s measured check: See Note [Measured budget check])."""
+    return bool(getattr(_POLICIES.get(forward), "checking", False))
 
 
 def policy_note(forward: Forward) -> str:

@@ -5,46 +5,72 @@
 # regions]); what the step measures also holds memory no region records: parameters'
 # gradients, the loss and head outside the regions, the optimizer, the simulator's error.
 # On an MLP ``memory_budget("8MiB")`` predicted 8.000 MiB, measured 22.1 MiB, and said
-# nothing. So a budget in bytes is a promise about the *measured* step peak:
+# nothing. So a budget in bytes is a promise about the *measured* step peak, and the
+# check is on by default (``check="auto"``):
 # 1. The first step that follows a plan is measured (``memory.StepProbe``: the allocator's
 #    events on CPU, ``torch.cuda.max_memory_allocated`` on CUDA) from its first region's
-#    entry until the next step starts (or ``report()`` is asked for), plus the activation
-#    inputs of that first region (allocated before it). (Stopping the profiler from an
-#    autograd callback at the end of the backward pass left it enabled on the calling
-#    thread.) A probe still running when the interpreter exits is stopped then. A step that left its plans (the
-#    heuristic decided part of it) is not compared.
+#    entry until the policy next gets control after the step ended: the next region
+#    entered (a ``no_grad`` one too), ``report()``, or a ``measure()`` of the program (it
+#    keeps the probe's figure rather than abandoning it once the step has ended), plus
+#    the activation inputs of that first region (allocated before it). (Stopping the
+#    profiler from an autograd callback at the end of the backward pass left it enabled
+#    on the calling thread.) A probe still running when the interpreter exits is stopped
+#    then. A step that left its plans (the heuristic decided part of it) is not compared.
 # 2. The difference between the measured peak and the prediction of what the budget bounds
-#    (the step's predicted peak; one region: its activation peak) is memory outside the
-#    plan's model. If the measured peak is over a byte budget, that difference is taken
-#    off the budget the planner works with, the step is planned again once, and the next
-#    planned step is measured too.
+#    (the step's predicted peak; one region: its peak with gradient buffers) is memory
+#    outside the plan's model. If the measured peak is over a byte budget, that difference
+#    is taken off the budget the planner works with, the step is planned again once, and
+#    the next planned step is measured too.
 # 3. If that step is still over the budget, the policy warns once: by how much, what the
 #    plan predicted, what it cannot decide (values kept whatever the plan: tags, other
 #    policies, activation inputs; generator states) and what lies outside its model
 #    (parameters' gradients, memory outside the regions and the simulator's error), and
-#    the lowest step peak the planner found.
-# 4. A fraction budget is relative to the step's own peak without checkpointing, which
-#    includes that outside memory too: its measured peak is reported (``report()``), not
-#    corrected.
-# 5. Cost. On CPU a measured step runs under the profiler (several times slower), once or
-#    twice per policy. A probe does not start while a profiler or ``measure()`` runs, and
-#    a ``measure()`` started during the probed step abandons it; after ``_TRIES`` probes
-#    the policy stops trying. Hence the check is opt-in (``memory_budget(..., check=True)``):
-#    a profiler the program starts itself during the probed step (a profiling schedule
-#    over the first steps) would meet the probe's, which torch does not support. Without
-#    it the budget bounds the simulated figures only.
-# Known limitations: a program that measures every step itself is not checked. A probe runs
-# until the policy's next step starts: a program that does other work after the first
-# planned step (a long evaluation under no_grad) keeps the profiler collecting until then;
-# ``report()`` stops it, and ``check=False`` never starts it.
+#    whether the plan is the lowest-peak one the planner found. The re-plan's own "no
+#    plan found" (a prediction with the correction) waits for the next step and is given
+#    only if that step cannot be measured: a measured step settles it (within the
+#    budget: no warning), so a budget the correction puts out of reach warns once. A
+#    first plan that does not fit even the planner's model warns at once, as without
+#    the check (the measured verdict follows, with its figures).
+# 4. A fraction budget is relative to the step's own simulated peak without
+#    checkpointing: it is not corrected, and ``"auto"`` does not measure it (``True``
+#    does, for the report).
+# 5. When. ``"auto"`` measures a byte budget when it can: not while a profiler or a
+#    ``measure()`` runs at the step's start, nor on a device other than CPU and CUDA;
+#    ``report()`` then says why, and the next planned step tries again (``_TRIES``
+#    probes per policy). A profiler the program starts while a probe runs takes the
+#    session over (torch keeps one per process): the probe gives no figure and says so;
+#    a program's profiler stopped before the policy's next region gets its events.
+#    ``False`` never measures: the budget then
+#    bounds the plan's model only (the step's regions, activations and their gradients).
+#    ``MemoryBudget.checking`` says whether the check still wants steps: a harness that
+#    measures or times steps (``compare``'s runner) runs them first.
+# 6. Reports. ``report()`` and ``step_report()`` show the measured peak and what the check
+#    did (within the budget; over it and planned again; over after the re-plan, warned)
+#    or why no step was measured; a plan predicted to fit a byte budget whose step
+#    measured over it is not said to "fit" (Note [Budget reports]).
+# 7. Cost. On CPU a measured step runs under the profiler with memory events, once, or
+#    twice after a re-plan, per policy, at the second and third steps of training: its
+#    CPU time is 1.19-1.30x the same step unmeasured on the zoo's GPT-2, ConvNeXt, ResNet
+#    and loop model (``benchmarks/bench_budget_check.py``, side by side). On CUDA it
+#    synchronizes twice and resets the process's peak statistic.
+# Known limitations: a program that measures every step itself (a profiler or
+# ``measure()`` running at each step's start) is not checked. A profiler the program starts
+# inside a probed step and keeps running past the policy's next region entry loses its
+# events: the probe's stop ends the one session torch keeps, and no public torch API tells
+# the two sessions apart (a profiling schedule whose recording starts at the second or third
+# step of a policy's life; ``check=False`` avoids it). A probe runs until the policy
+# next gets control after its step: work after the step outside any region (a long
+# evaluation without regions) runs under the profiler until then. On CUDA a program reading
+# ``torch.cuda.max_memory_allocated`` over the first steps sees it reset.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -54,9 +80,17 @@ from ckpt_graph.planner.records import Seen
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
 
-__all__ = ["BudgetCheck", "Measured"]
+__all__ = ["BudgetCheck", "Check", "Measured"]
+
+Check = bool | Literal["auto"]  # ``memory_budget(check=...)``: See Note [Measured budget check].
 
 _MIB = float(2**20)
+
+
+def _mib(n: int) -> str:
+    return f"{n / _MIB:.3f} MiB"
+
+
 _CHECKS = 2  # measured steps per policy: the first planned one, and one after a re-plan
 _TRIES = 4  # probes started per policy (a measure() of the program abandons one)
 
@@ -88,9 +122,13 @@ class Measured:
 class BudgetCheck:
     """State of the closed loop of one policy object. See Note [Measured budget check]."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: Check = "auto", fraction: bool = False) -> None:
+        # "auto" measures byte budgets only: a fraction is of the simulated peak (rule 4)
+        self.mode: Check = mode
+        self.on = mode is True or (mode == "auto" and not fraction)
         self.correction = 0  # bytes taken off a byte budget (rule 2)
         self.last: Measured | None = None
+        self.why = ""  # why no step was measured (rule 5)
         self._probe: StepProbe | None = None
         self._predicted = 0
         self._checks = 0
@@ -125,35 +163,62 @@ class BudgetCheck:
                     self._params.add(key)
                     self._param_bytes += t.untyped_storage().nbytes()
 
-    def start(self, predicted: int | None) -> None:
-        """Measure the step starting now, predicted at ``predicted`` bytes (rule 1)."""
+    def start(self, predicted: int | None, ended: Callable[[], bool]) -> None:
+        """Measure the step starting now, predicted at ``predicted`` bytes (rule 1);
+        ``ended()`` says whether that step is over (a ``measure()`` of the program after
+        it then keeps the probe's figure)."""
         self._params, self._param_bytes = set(), 0
-        if predicted is None or self._checks >= _CHECKS or self._probe is not None:
+        if not self.on or predicted is None or self._checks >= _CHECKS:
+            return
+        if self._probe is not None:
             return
         if self._tries >= _TRIES:  # the program measures its steps itself (rule 5)
+            self.why = f"{_TRIES} steps could not be measured; the policy stopped trying"
             return
         self._tries += 1
         if self._device.type not in ("cpu", "cuda"):
+            self.why = f"memory on {self._device.type} cannot be measured"
             return
-        probe = StepProbe(self._device)
+        probe = StepProbe(self._device, ended)
         if probe.start():
             self._probe = probe
             self._predicted = predicted
             self._peak = None
             weakref.finalize(self, probe.abandon)  # the policy dropped: the profiler too
+        else:
+            self.why = probe.why
+
+    @property
+    def pending(self) -> bool:
+        """Whether the check still wants steps: a probe runs, or a planned step is still
+        to be measured (rule 1; at most ``_CHECKS`` measured and ``_TRIES`` tried)."""
+        if not self.on:
+            return False
+        return self._probe is not None or (self._checks < _CHECKS and self._tries < _TRIES)
+
+    @property
+    def measuring(self) -> bool:
+        """Whether a probe is running (or holds a figure not yet compared)."""
+        return self._probe is not None
 
     def finish(self) -> None:
         """Stop the measurement now and keep its peak for :meth:`stop`."""
         probe, self._probe = self._probe, None
         if probe is not None:
             self._peak = probe.stop()
+            if self._peak is None:
+                self.why = probe.why or "the measured step was abandoned"
 
     def stop(self, seen: list[Seen], followed: bool) -> Measured | None:
         """The measurement of the step that just ended, if one ran and it followed its plans."""
         self.finish()
         peak, self._peak = self._peak, None
-        if peak is None or not seen or not followed:
+        if peak is None or not seen:
             return None
+        if not followed:
+            self.why = "the measured step left its plans (its graph changed)"
+            return None
+        self.why = ""
         self._checks += 1
         first = min(seen, key=lambda s: s.ordinal)
         kept = rng = 0
@@ -167,6 +232,35 @@ class BudgetCheck:
             rng += sum(g.rng_bytes)
         self.last = Measured(peak + first.inputs, self._predicted, self._param_bytes, kept, rng)
         return self.last
+
+    def status(self, budget: int | None) -> str:
+        """What the check measured and did, for the reports (rule 6); ``budget``: a byte
+        budget, None for a fraction."""
+        m = self.last
+        if m is None:
+            if not self.on:
+                if self.mode is False:
+                    return "not measured (check=False)"
+                return "not measured: a fraction is of the simulated peak (check=True measures it)"
+            if self._probe is not None:
+                return "not measured yet: the step running now is measured"
+            if self.why:
+                return f"not measured: {self.why}"
+            return "not measured yet: the first step that follows a plan is"
+        if budget is None:
+            return "measured (a fraction is not corrected)"
+        over = m.measured_bytes - budget
+        if over <= 0:
+            return f"within the budget, {_mib(-over)} below it"
+        text = f"{_mib(over)} over the budget"
+        if self._warned:
+            return text + " after one re-plan (warned)"
+        text += f": planned again with {_mib(self.correction)} taken off"
+        if self._probe is not None:
+            return text + "; the step running now is measured"
+        if self.why:
+            return text + f"; the re-planned step was not measured: {self.why}"
+        return text
 
     def over(self, m: Measured, budget: int) -> bool:
         """Whether ``m`` missed ``budget``; the first miss sets the correction (rule 2)."""

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING
 
 from ckpt_graph.planner.across_sizes import catch_up, cheap_start, scaled
-from ckpt_graph.planner.budget_check import BudgetCheck
+from ckpt_graph.planner.budget_check import BudgetCheck, Check
 from ckpt_graph.planner.budget_heuristic import count_saved
 from ckpt_graph.planner.budget_report import BudgetReport
 from ckpt_graph.planner.cost_model import machine_flops_per_byte, recorded_costs
@@ -87,23 +88,31 @@ class BudgetPlanner:
     """Plans the regions of a policy's steps and keeps the plans they follow.
 
     Attributes:
-        check: the measured check (Note [Measured budget check]); it runs only when the
-            policy was made with ``check=True``.
+        check: the measured check (Note [Measured budget check]): on by default for a
+            budget in bytes (``check="auto"``), off with ``check=False``.
 
     Invariants:
         ``plan(k)`` is the plan region ``k`` of a step tries first; the regions recorded
         this step (``record``) are planned at most once per change (``plan_step``).
     """
 
-    def __init__(self, budget: int | float, flops_per_byte: float | None, name: str) -> None:
+    def __init__(
+        self,
+        budget: int | float,
+        flops_per_byte: float | None,
+        name: str,
+        check: Check = "auto",
+    ) -> None:
         self._budget = budget
         self._flops_per_byte = flops_per_byte
         self._name = name  # the policy's repr, in warnings and reports
-        self.check = BudgetCheck()  # See Note [Measured budget check].
+        # See Note [Measured budget check].
+        self.check = BudgetCheck(check, isinstance(budget, float))
         self._plans: dict[int, Plan] = {}
         self._last: PlanReport | None = None
         self._warned = False
         self._warned_step = False
+        self._pending: str | None = None  # a "no plan found" warning the check may settle
         # the current step (Note [Step budget across regions])
         self._seen: list[Seen] = []
         self._storages: set[int] = set()
@@ -130,17 +139,32 @@ class BudgetPlanner:
         others = dict.fromkeys([*self._plans.values(), *self._cache.plans()])
         return ([own] if own is not None else []) + [p for p in others if p is not own]
 
-    def next_step(self, measure: bool) -> None:
+    def next_step(self, ended: Callable[[], bool]) -> None:
         """The step is over: compare it with its prediction, plan it (or continue a warm
-        start's search), and start recording the next one; ``measure``: start the measured
-        check of the next step (Note [Measured budget check])."""
+        start's search), and start recording the next one, measured if the check asks for
+        it (Note [Measured budget check]); ``ended()`` says whether that next step is over."""
         self.measure_step()
         if not self.plan_step():
             self._refine()
         self._seen = []
         self._storages = set()
-        if measure:
-            self.check.start(self._predicted())
+        self.check.start(self._predicted(), ended)
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            if self.check.measuring:  # the measured step decides (Note [Measured budget check])
+                self._pending = pending
+            else:
+                warnings.warn(pending, stacklevel=4)
+
+    def _warn_plan(self, message: str) -> None:
+        """Warn that no plan fits; after a measured miss, leave it to the measured check
+        when the next step will be measured: the re-planned step measures within the
+        budget (no warning) or warns once with the measured figures (rule 3 of Note
+        [Measured budget check])."""
+        if self.check.correction and not self._fraction:
+            self._pending = message  # decided when the next step starts
+        else:
+            warnings.warn(message, stacklevel=6)
 
     def record(self, region: Region, run: Run) -> None:
         """Record a block that saved something for the step's plan, unless a plan matched
@@ -256,7 +280,7 @@ class BudgetPlanner:
                     f" (the budget, {budget:,} bytes, less {correction:,} bytes a measured "
                     "step put outside the planner's model)"
                 )
-            warnings.warn(
+            self._warn_plan(
                 f"ckpt_graph: {self._name}: no plan found within "
                 f"{within} for region #{seen.ordinal}; the plan with the lowest "
                 f"simulated peak ({peak:,} bytes) is used, {peak - target:,} bytes over: "
@@ -264,8 +288,7 @@ class BudgetPlanner:
                 "(tags, other policies, activation inputs) and "
                 f"{r.peak_total_bytes - r.peak_bytes:,} bytes of gradient buffers and backward "
                 "temporaries at the peak; parameters' gradients and memory outside the region "
-                "come on top (memory_budget(..., check=True) measures them)",
-                stacklevel=6,
+                "come on top (the measured check learns them: Note [Measured budget check])"
             )
         plan = make_plan(graph, option, seen.ordinal, budget)
         self._plans[seen.ordinal] = plan
@@ -301,12 +324,11 @@ class BudgetPlanner:
         step = replace(step, budget_bytes=budget, correction_bytes=self.check.correction)
         if not step.feasible and not self._warned_step:
             self._warned_step = True
-            warnings.warn(
+            self._warn_plan(
                 f"ckpt_graph: {self._name}: no plan found within "
                 f"{budget:,} bytes for the step's {step.regions} regions; the plans with the "
                 f"lowest predicted step peak found ({step.predicted_peak_bytes:,} bytes) are "
-                "used (warned once per policy)",
-                stacklevel=6,
+                "used (warned once per policy)"
             )
         for s, plan in zip(self._seen, plans, strict=True):
             self._plans[s.ordinal] = plan
@@ -332,6 +354,7 @@ class BudgetPlanner:
         if m is None or self._fraction:
             return
         budget = int(self._budget)
+        self._pending = None  # the measurement settles it
         if self.check.over(m, budget):
             self._dirty = True  # plan the step again with the correction
             self._cache.clear()
@@ -361,6 +384,7 @@ class BudgetPlanner:
             fraction=self._budget if self._fraction else None,
             measured_peak_bytes=self._measured_bytes(),
             correction_bytes=self.check.correction,
+            checked=self._checked(),
             step=step,
             regions=step.rows if step is not None else (),
         )
@@ -380,10 +404,15 @@ class BudgetPlanner:
         return replace(
             step,
             measured_peak_bytes=self._measured_bytes(),
+            checked=self._checked(),
             rows=rows,
             policy=self._name,
             fraction=self._budget if self._fraction else None,
         )
+
+    def _checked(self) -> str:
+        """What the measured check did, for the reports (Note [Measured budget check])."""
+        return self.check.status(None if self._fraction else int(self._budget))
 
     def _measured_bytes(self) -> int | None:
         m = self.check.last

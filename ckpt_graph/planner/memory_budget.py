@@ -15,7 +15,10 @@ the measured check's re-plan, the warnings).
 #    backward temporaries (``SimResult.peak_total_bytes``), and a fraction is of that peak
 #    without checkpointing (Note [Step budget across regions] rule 1). A step of several
 #    regions is planned jointly; a step of one region by the solver alone, against the
-#    same figure (its forward peak is not budgeted there). Before, one region's budget
+#    same figure (its forward peak is not budgeted there). What that figure leaves out
+#    (parameters' gradients, memory outside the regions, the simulator's error) a byte
+#    budget learns from its first planned step, measured by default (Note [Measured
+#    budget check]); a fraction keeps its meaning. Before, one region's budget
 #    bounded its *activation* peak, a fraction of its saved bytes: the measured step
 #    follows the peak with gradients, and the cheapest plans within an activation budget
 #    held their activations where the gradients peak (at the head's backward). On the
@@ -104,6 +107,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph._errors import CkptGraphValueError
 from ckpt_graph.planner.across_sizes import follow, match, op_shapes
+from ckpt_graph.planner.budget_check import Check
 from ckpt_graph.planner.budget_heuristic import heuristic, views_of_kept
 from ckpt_graph.planner.budget_planner import BudgetPlanner
 from ckpt_graph.planner.compile_solver import CompileSolver, solver_for
@@ -132,23 +136,34 @@ class MemoryBudget:
     Attributes:
         budget: bytes (an int) or a fraction (a float), as parsed from the argument.
         flops_per_byte: the pinned recompute-cost ratio, or ``None`` (calibrated).
-        check: whether the measured check runs (Note [Measured budget check]).
+        check: ``"auto"`` (the default), ``True`` or ``False``: whether the measured check
+            runs (Note [Measured budget check]).
         steps: the regions of the current step (a :class:`StepTracker`).
         planner: the plans and the solver (a :class:`BudgetPlanner`).
 
     Known limitations:
-        The budget bounds the simulated step peak of the regions (activations, gradient
-        buffers, backward temporaries), not memory outside them (the loss outside a
-        region, parameters' gradients: see Note [Measured budget check]); the simulator's
-        unpack order is autograd's usual one for a region (reverse forward order). A step
-        of one region does not budget its forward peak.
+        The plan bounds the simulated step peak of the regions (activations, gradient
+        buffers, backward temporaries); memory outside them (the loss outside a region,
+        parameters' gradients) is learnt from a measured step (Note [Measured budget
+        check]), and without one it comes on top of a byte budget. The simulator's unpack
+        order is autograd's usual one for a region (reverse forward order). A step of one
+        region does not budget its forward peak.
     """
 
     def __init__(
-        self, budget: int | float | str, *, flops_per_byte: float | None = None, check: bool = False
+        self,
+        budget: int | float | str,
+        *,
+        flops_per_byte: float | None = None,
+        check: Check = "auto",
     ) -> None:
         self.budget: int | float = parse_budget(budget)
-        self.check = check
+        if check not in (True, False, "auto") or not isinstance(check, (bool, str)):
+            raise CkptGraphValueError(
+                f"ckpt_graph: memory_budget(check={check!r}) must be 'auto' (measure a "
+                "budget in bytes when no profiler or measure() runs), True or False"
+            )
+        self.check: Check = check
         if flops_per_byte is not None and not flops_per_byte >= 0:
             raise CkptGraphValueError(
                 f"ckpt_graph: memory_budget(flops_per_byte={flops_per_byte!r}) must be >= 0 "
@@ -156,12 +171,19 @@ class MemoryBudget:
             )
         self.flops_per_byte = flops_per_byte
         self.steps = StepTracker()
-        self.planner = BudgetPlanner(self.budget, flops_per_byte, repr(self))
+        self.planner = BudgetPlanner(self.budget, flops_per_byte, repr(self), check)
         self._runs: dict[int, Run] = {}  # the open blocks, by region id
         self._compile_solver: CompileSolver | None = None
 
     def __repr__(self) -> str:
         return f"memory_budget({self.budget!r})"
+
+    @property
+    def checking(self) -> bool:
+        """Whether the measured check still wants steps (Note [Measured budget check]): a
+        harness that times or measures steps runs them first, so that the profiler of the
+        check meets neither its timing nor its own measurement."""
+        return self.planner.check.pending
 
     @property
     def compile_fraction(self) -> float | None:
@@ -184,13 +206,20 @@ class MemoryBudget:
         if run is not None:
             run.depth += 1
             return
+        if self.planner.check.measuring and self.steps.ended():
+            state = region.recording
+            recording, state.on = state.on, False  # the profiler's stop: not the region's ops
+            try:
+                self.planner.check.finish()  # See Note [Measured budget check] rule 1.
+            finally:
+                state.on = recording
         if not torch.is_grad_enabled():  # not a training step: See Note [Memory budget policy]
             return
         if self.steps.over():  # a new step: plan the last one
             state = region.recording
             recording, state.on = state.on, False  # not the region's ops
             try:
-                self.planner.next_step(measure=self.check)
+                self.planner.next_step(self.steps.ended)
                 self.steps.new_step()
             finally:
                 state.on = recording
@@ -215,7 +244,7 @@ class MemoryBudget:
         if run.depth > 0:
             return
         del self._runs[id(region)]
-        if self.check:  # only the measured check's breakdown needs the parameters
+        if self.planner.check.on:  # only the measured check's breakdown needs the parameters
             self.planner.check.note_region(region)
         if len(region.saved_log) == run.saved_at_enter:  # saved nothing: not planned (rule 7)
             self.steps.drop(region)
@@ -290,7 +319,7 @@ class MemoryBudget:
 
 
 def memory_budget(
-    budget: int | float | str, *, flops_per_byte: float | None = None, check: bool = False
+    budget: int | float | str, *, flops_per_byte: float | None = None, check: Check = "auto"
 ) -> MemoryBudget:
     """A policy that keeps what fits ``budget`` with the least recompute.
 
@@ -300,21 +329,28 @@ def memory_budget(
             Note [Budget argument]) of the step's simulated peak without checkpointing,
             for one step: regions of a step that share the object (per-layer regions of
             ``wrap`` or ``integrations.transformers.enable``, several ``with`` blocks) share
-            the budget, which covers the step's peak (gradients of activations included)
-            less the memory outside the regions; one region is a step of one region. With ``check=True`` bytes are
-            checked against the step's measured peak, memory outside the regions included. A
-            step ends when every
-            region of it ran its backward (or was released); its regions are planned
-            jointly when the next step starts. See Note [Memory budget policy] and Note
-            [Step budget across regions].
+            the budget. A budget in bytes is a promise about the step's *measured* peak
+            (parameters' gradients and memory outside the regions included): the plan
+            bounds the regions' simulated peak (gradients of activations included), the
+            first planned step is measured and the step planned again once with what the
+            measurement found outside that model (``check``). A fraction is of the regions'
+            simulated peak without checkpointing. One region is a step of one region. A step
+            ends when every region of it ran its backward (or was released); its regions are
+            planned jointly when the next step starts. See Note [Memory budget policy] and
+            Note [Step budget across regions].
         flops_per_byte: FLOPs one byte moved by a memory-bound op is worth when comparing
             recompute costs; ``None`` takes ``$CKPT_GRAPH_FLOPS_PER_BYTE`` if set, else
             measures it on this machine at the first plan. See Note [Recompute cost model]
             and Note [Pinned calibration].
-        check: measure the first planned step (and one more after a re-plan) and, for a
-            budget in bytes, plan again once with the memory measured outside the plan's
-            model; warn once if the budget is still missed. Off by default: on CPU the
-            measured step runs under torch's profiler. See Note [Measured budget check].
+        check: ``"auto"`` (default): for a budget in bytes, measure the first planned step
+            (and one more after a re-plan; on CPU under torch's profiler, on CUDA with
+            ``torch.cuda.max_memory_allocated``, whose peak it resets), plan again once
+            with the memory measured outside the plan's model if the step missed the
+            budget, and warn once, by how much and why, if it still does. It measures
+            nothing while a profiler or ``ckpt_graph.memory.measure`` runs at the step's
+            start, nor on other devices: ``report()`` then says why. ``True``: measure
+            fraction budgets too (reported, not corrected). ``False``: never measure (the
+            budget then bounds the plan's model only). See Note [Measured budget check].
 
     Raises:
         CkptGraphError: ``budget`` is not a budget (e.g. ``memory_budget(1)``: one byte; pass

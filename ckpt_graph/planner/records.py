@@ -201,6 +201,7 @@ class StepPlan:
         measured_peak_bytes: the step's measured peak, if measured.
         rows: each region's plan, by ordinal (``step_report()``).
         policy, fraction: the policy and its budget's fraction (None for bytes).
+        checked: what the measured check did, or why no step was measured.
     """
 
     regions: int
@@ -218,6 +219,7 @@ class StepPlan:
     rows: tuple[PlanReport, ...] = ()
     policy: str = "memory_budget"
     fraction: float | None = None
+    checked: str = ""
 
     def __str__(self) -> str:
         from ckpt_graph.planner.budget_report import step_table  # its table, Note [Budget reports]

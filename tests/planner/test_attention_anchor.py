@@ -108,7 +108,9 @@ def test_budget_at_megatrons_peak_recomputes_no_more_flops_than_megatron() -> No
     g = from_region(mega_region)  # type: ignore[arg-type]
     mega_budget = simulate(g, kept_ops_of(mega_region)).peak_total_bytes  # type: ignore[arg-type]
     for k in range(8, 3, -1):
-        policy = memory_budget(mega_budget * k // 8, flops_per_byte=1.0)
+        # A budget of the planner's own model (not a measured peak): not checked against
+        # the measured step (Note [Measured budget check] rule 5).
+        policy = memory_budget(mega_budget * k // 8, flops_per_byte=1.0, check=False)
         planned = region_forward(policy)
         _step(w, planned)  # the first step records the graph and plans
         plan_peak = measure(functools.partial(_step, w, planned)).peak_bytes

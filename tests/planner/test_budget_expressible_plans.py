@@ -160,5 +160,5 @@ def test_budget_out_of_reach_warns_once_by_how_much_and_why() -> None:
         f"{peak - budget:,} bytes over: 0 bytes of values kept whatever the plan (tags, other "
         f"policies, activation inputs) and {grads:,} bytes of gradient buffers and backward "
         "temporaries at the peak; parameters' gradients and memory outside the region come "
-        "on top (memory_budget(..., check=True) measures them)"
+        "on top (the measured check learns them: Note [Measured budget check])"
     )
