@@ -75,13 +75,17 @@ def step_grads(
     formula runs. See Note [Backward liveness model] rule 4.
     """
     n = len(ops)
+    store = _gradient_storage(values, ops)
+    floating = [
+        f or (store[v] == v and floating[values[v].storage]) for v, f in enumerate(floating)
+    ]
     last_use = [-1] * len(values)
     for j, op in enumerate(ops):
         for i in op.inputs:
-            last_use[values[i].storage] = j
+            last_use[store[i]] = j
     low: dict[int, int] = {}  # gradient buffer (named by a value) -> first step it is freed at
     for v, val in enumerate(values):
-        if floating[v] and val.storage == v and val.producer >= 0:
+        if floating[v] and store[v] == v and val.producer >= 0:
             low[v] = val.producer
     buffer = list(range(len(values)))  # the buffer holding each value's gradient
     for j in sorted(passthrough, reverse=True):
@@ -90,9 +94,9 @@ def step_grads(
             continue
         b = buffer[outs[0]]
         for i in ops[j].inputs:
-            r = values[i].storage
-            # passed on as is, unless a view op between (a slice) makes a buffer of its own
-            as_is = i == r or _view_gradient(values, ops, i)
+            r = store[i]
+            # passed on as is (a view of it through ``t`` or ``view`` included)
+            as_is = i == r or _view_gradient(values, ops, store, i)
             if as_is and r in low and last_use[r] == j and buffer[r] == r:
                 del low[r]
                 buffer[r] = b
@@ -102,10 +106,10 @@ def step_grads(
     contributions: dict[int, list[tuple[int, int]]] = {}
     for j in range(n - 1, -1, -1):
         op = ops[j]
-        if j in skip or (op.outputs and all(values[o].storage != o for o in op.outputs)):
+        if j in skip or (op.outputs and all(store[o] != o for o in op.outputs)):
             continue  # a view op: the gradient is formed where the view is consumed
         for i in op.inputs:
-            root = values[i].storage
+            root = store[i]
             if floating[root]:
                 contributions.setdefault(root, []).append((j, i))
     top = {v: last_use[v] for v in low}  # the step that makes each buffer (-1: none)
@@ -132,7 +136,7 @@ def step_grads(
         view = False  # the buffer is a view of the first contribution's gradient
         for j, i in parts:
             if r in low and j >= top[r]:
-                view = view or _view_gradient(values, ops, i)
+                view = view or _view_gradient(values, ops, store, i)
                 continue  # the buffer itself, counted above
             # a parameter's gradient, or a contribution added to an existing buffer
             extra = values[i].nbytes if values[i].nbytes else values[r].nbytes
@@ -164,17 +168,61 @@ VIEW_GRADIENT_OPS = frozenset(
 )
 
 
-def _view_gradient(values: Sequence[SimValue], ops: Sequence[SimOp], i: int) -> bool:
-    """Whether the gradient reaching the storage of ``i`` from a reader of ``i`` is a view:
-    ``i`` is made from it by view ops whose formulas all return views."""
-    root = values[i].storage
+# View ops whose formula allocates their input's gradient (``slice`` and ``select`` a zero
+# tensor of the input's size, ``split`` and ``unbind`` the concatenation of their outputs'
+# gradients, ``expand`` a sum): each output's gradient is a buffer of its own until the op's
+# step (Note [Backward liveness model] rule 4).
+OWN_GRADIENT_VIEW_OPS = frozenset(
+    {
+        "as_strided",
+        "chunk",
+        "diagonal",
+        "expand",
+        "narrow",
+        "select",
+        "slice",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "unsafe_chunk",
+        "unsafe_split",
+        "unsafe_split_with_sizes",
+    }
+)
+
+
+def _packet(name: str) -> str:
+    return name.removeprefix("aten.").split(".")[0]
+
+
+def _gradient_storage(values: Sequence[SimValue], ops: Sequence[SimOp]) -> list[int]:
+    """Per value, the value naming the buffer its gradient is summed in: its storage's,
+    except below a view op of ``OWN_GRADIENT_VIEW_OPS``, whose outputs have their own."""
+    store = [v.storage for v in values]
+    for v, val in enumerate(values):
+        if val.storage == v or val.producer < 0:
+            continue
+        op = ops[val.producer]
+        if _packet(op.name) in OWN_GRADIENT_VIEW_OPS:
+            store[v] = v
+        elif op.inputs and values[op.inputs[0]].storage == val.storage:
+            store[v] = store[op.inputs[0]]
+    return store
+
+
+def _view_gradient(
+    values: Sequence[SimValue], ops: Sequence[SimOp], store: Sequence[int], i: int
+) -> bool:
+    """Whether the gradient reaching the buffer ``store[i]`` from a reader of ``i`` is a
+    view: ``i`` is made from it by view ops whose formulas all return views."""
+    root = store[i]
     v = i
     while v != root:
         producer = values[v].producer
         if producer < 0:
             return False
         op = ops[producer]
-        if not op.inputs or op.name.removeprefix("aten.").split(".")[0] not in VIEW_GRADIENT_OPS:
+        if not op.inputs or _packet(op.name) not in VIEW_GRADIENT_OPS:
             return False
         v = op.inputs[0]
     return i != root

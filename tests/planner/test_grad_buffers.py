@@ -60,16 +60,26 @@ def test_a_weight_read_once_counts_at_its_step_only() -> None:
     assert grad_bytes(values, ops, [True, False, True, True]) == {0: W + 8, 1: 16}
 
 
-def test_a_gradient_passed_on_through_a_slice_gets_a_buffer_of_its_own() -> None:
+def test_a_slice_has_a_gradient_of_its_own_until_its_step() -> None:
     # x -> y = f(x) (32) -> s = y[:2] (a view, 16) -> c = clone(s) (16) -> loss
     values = [SimValue(8, -1, 0), SimValue(32, 0, 1), SimValue(16, 1, 1, True)]
     values += [SimValue(16, 2, 3), SimValue(4, 3, 4)]
     ops = [SimOp((0,), (1,), 1, "f"), SimOp((1,), (2,), 0, "aten.slice.Tensor")]
     ops += [SimOp((2,), (3,), 1, "aten.clone.default"), SimOp((3,), (4,), 1, "sum")]
-    floating = [False, True, True, True, True]
-    # clone hands c's gradient on, but slice's formula allocates y's size: at the clone's
-    # step both exist; y's gradient lives on to its producer (step 3: c's and the loss's)
-    assert grad_bytes(values, ops, floating, passthrough=[2]) == {0: 32, 1: 32, 2: 48, 3: 20}
+    floating = [False, True, False, True, True]  # a view is not floating on its own
+    # clone hands c's gradient on to s; slice's formula allocates y's size at its step
+    assert grad_bytes(values, ops, floating, passthrough=[2]) == {0: 32, 1: 48, 2: 16, 3: 20}
+
+
+def test_split_outputs_have_gradients_of_their_own_until_the_split() -> None:
+    # x -> y = f(x) (32) -> a, b = split(y) (16 each) -> u = g(a) at step 2, v = h(b, u)
+    # at step 3: at step 3 the gradients of v and of b and u, not y's whole buffer
+    values = [SimValue(8, -1, 0), SimValue(32, 0, 1), SimValue(16, 1, 1, True)]
+    values += [SimValue(16, 1, 1, True), SimValue(16, 2, 4), SimValue(16, 3, 5)]
+    ops = [SimOp((0,), (1,), 1, "f"), SimOp((1,), (2, 3), 0, "aten.split.Tensor")]
+    ops += [SimOp((2,), (4,), 1, "g"), SimOp((3, 4), (5,), 1, "h")]
+    floating = [False, True, False, False, True, True]
+    assert grad_bytes(values, ops, floating) == {0: 32, 1: 32 + 32, 2: 16 + 16 + 16, 3: 48}
 
 
 def _backward_rise(fn: object) -> int:
