@@ -10,8 +10,12 @@ zoo (``compare.third_party``, plus transformers' GPT-2 and Llama) at the tiny si
 ``tests/compare/test_zoo_third_party.py``, under ``recompute_all`` and a budget plan, with
 the automatic cache bound. Zoo models whose library is missing are skipped.
 
+With ``--zoo-sizes`` the text models and ViT run instead at the default sizes of
+``bench_zoo.py`` (``compare.zoo.DEFAULTS`` and ``third_party.SPECS``), where ops are not tiny.
+
 Usage:
-    python benchmarks/bench_sim_error.py    # markdown table on stdout
+    python benchmarks/bench_sim_error.py               # markdown table on stdout
+    python benchmarks/bench_sim_error.py --zoo-sizes   # text models and ViT at bench_zoo sizes
 """
 
 from __future__ import annotations
@@ -62,11 +66,17 @@ def _library(name: str) -> str:
     return "transformers" if name in ("hf-gpt2", "hf-llama") else SPECS[name].library
 
 
-def main() -> None:
-    from test_liveness import predicted_peak, run_region
+ZOO_SIZED = ["hf-gpt2", "hf-llama", "hf-bert", "hf-t5", "hf-mixtral", "hf-vit"]
 
-    torch.set_num_threads(1)
+
+def _cases(zoo_sizes: bool) -> list[tuple[str, dict[str, Any], str, Any]]:
     cases: list[tuple[str, dict[str, Any], str, Any]] = []
+    if zoo_sizes:  # build_workload's defaults are bench_zoo's sizes
+        for model in ZOO_SIZED:
+            if importlib.util.find_spec(_library(model)) is not None:
+                for policy in ["recompute_all", "budget"]:
+                    cases.append((model, {}, policy, None))
+        return cases
     for model in ["gpt", "mlp", "cnn"]:
         sizes: dict[str, Any] = dict(layers=3, width=32, batch=2, seq_len=16)
         if model == "gpt":
@@ -79,7 +89,17 @@ def main() -> None:
             continue
         for policy in ["recompute_all", "budget"]:
             cases.append((model, sizes, policy, None))
-    print("### Predicted vs measured backward peak (`benchmarks/bench_sim_error.py`)\n")
+    return cases
+
+
+def main() -> None:
+    from test_liveness import predicted_peak, run_region
+
+    torch.set_num_threads(1)
+    zoo_sizes = "--zoo-sizes" in sys.argv[1:]
+    cases = _cases(zoo_sizes)
+    title = " at bench_zoo sizes" if zoo_sizes else ""
+    print(f"### Predicted vs measured backward peak{title} (`benchmarks/bench_sim_error.py`)\n")
     print("| model | policy | cache_limit | predicted B | measured B | error |")
     print("|---|---|---|---:|---:|---:|")
     own: list[float] = []

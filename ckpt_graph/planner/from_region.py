@@ -24,6 +24,7 @@ from ckpt_graph.planner.records import NO_WORKSPACE, Workspace
 from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimValue
 
 if TYPE_CHECKING:
+    from ckpt_graph.engine.graph import Handle
     from ckpt_graph.engine.region import Region
 
 __all__ = ["from_region", "grad_bytes", "kept_ops_of", "step_grads", "workspace_of"]
@@ -73,13 +74,17 @@ def step_grads(
     formula runs. See Note [Backward liveness model] rule 4.
     """
     n = len(ops)
+    store = _gradient_storage(values, ops)
+    floating = [
+        f or (store[v] == v and floating[values[v].storage]) for v, f in enumerate(floating)
+    ]
     last_use = [-1] * len(values)
     for j, op in enumerate(ops):
         for i in op.inputs:
-            last_use[values[i].storage] = j
+            last_use[store[i]] = j
     low: dict[int, int] = {}  # gradient buffer (named by a value) -> first step it is freed at
     for v, val in enumerate(values):
-        if floating[v] and val.storage == v and val.producer >= 0:
+        if floating[v] and store[v] == v and val.producer >= 0:
             low[v] = val.producer
     buffer = list(range(len(values)))  # the buffer holding each value's gradient
     for j in sorted(passthrough, reverse=True):
@@ -88,38 +93,147 @@ def step_grads(
             continue
         b = buffer[outs[0]]
         for i in ops[j].inputs:
-            r = values[i].storage
-            if r in low and last_use[r] == j and buffer[r] == r:
+            r = store[i]
+            # passed on as is (a view of it through ``t`` or ``view`` included)
+            as_is = i == r or _view_gradient(values, ops, store, i)
+            if as_is and r in low and last_use[r] == j and buffer[r] == r:
                 del low[r]
                 buffer[r] = b
                 low[b] = min(low[b], values[r].producer)
+    # the contributions to each gradient: (step, the value read), last step first
+    skip = set(passthrough)
+    contributions: dict[int, list[tuple[int, int]]] = {}
+    for j in range(n - 1, -1, -1):
+        op = ops[j]
+        if j in skip or (op.outputs and all(store[o] != o for o in op.outputs)):
+            continue  # a view op: the gradient is formed where the view is consumed
+        for i in op.inputs:
+            root = store[i]
+            if floating[root]:
+                contributions.setdefault(root, []).append((j, i))
+    top = {v: last_use[v] for v in low}  # the step that makes each buffer (-1: none)
+    for r, parts in contributions.items():
+        steps = {j for j, _ in parts}
+        if values[r].producer < 0 and len(steps) > 1:
+            # a region input read at several steps: autograd sums the contributions in one
+            # buffer from the last step that reads it to the first (rule 4, tied weights)
+            low[r], top[r] = min(steps), max(steps)
     delta = [0] * (n + 2)
     made = [0] * n  # gradient bytes each step allocates
     for v, first in low.items():
-        end = last_use[v] if last_use[v] >= 0 else n - 1
+        end = top[v] if top[v] >= 0 else n - 1
         delta[first] += values[v].nbytes
         delta[end + 1] -= values[v].nbytes
-        if last_use[v] >= 0:  # else a region output's: there before backward starts
+        if top[v] >= 0:  # else a region output's: there before backward starts
             made[end] += values[v].nbytes
     out: dict[int, int] = {}
     level = 0
     for j in range(n):
         level += delta[j]
         out[j] = level
-    skip = set(passthrough)
-    for j, op in enumerate(ops):
-        if j in skip or (op.outputs and all(values[o].storage != o for o in op.outputs)):
-            continue  # a view op: the gradient is formed where the view is consumed
-        for i in op.inputs:
-            root = values[i].storage
-            if not floating[root]:
-                continue
-            if values[root].producer < 0 or last_use[root] > j:
-                # a parameter's gradient, or a contribution added to an existing buffer
-                extra = values[i].nbytes if values[i].nbytes else values[root].nbytes
-                out[j] += extra
-                made[j] += extra
+    for r, parts in contributions.items():
+        view = False  # the buffer is a view of the first contribution's gradient
+        for j, i in parts:
+            if r in low and j >= top[r]:
+                view = view or _view_gradient(values, ops, store, i)
+                continue  # the buffer itself, counted above
+            # a parameter's gradient, or a contribution added to an existing buffer
+            extra = values[i].nbytes if values[i].nbytes else values[r].nbytes
+            if view and buffer[r] == r:
+                extra += values[r].nbytes  # summed out of place (rule 4)
+                view = False
+            out[j] += extra
+            made[j] += extra
     return out, {j: out[j] - made[j] for j in range(n)}
+
+
+# Ops whose gradient formula returns a view of their output's gradient (``t``: its transpose;
+# ``view``: a reshape of it), by overload packet name. See Note [Backward liveness model]
+# rule 4: a gradient buffer holding such a view cannot take the next contribution in place.
+VIEW_GRADIENT_OPS = frozenset(
+    {
+        "_reshape_alias",
+        "_unsafe_view",
+        "alias",
+        "permute",
+        "reshape",
+        "squeeze",
+        "t",
+        "transpose",
+        "unsqueeze",
+        "view",
+        "view_as",
+    }
+)
+
+
+# View ops whose formula allocates their input's gradient (``slice`` and ``select`` a zero
+# tensor of the input's size, ``split`` and ``unbind`` the concatenation of their outputs'
+# gradients, ``expand`` a sum): each output's gradient is a buffer of its own until the op's
+# step (Note [Backward liveness model] rule 4).
+OWN_GRADIENT_VIEW_OPS = frozenset(
+    {
+        "as_strided",
+        "chunk",
+        "diagonal",
+        "expand",
+        "narrow",
+        "select",
+        "slice",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "unsafe_chunk",
+        "unsafe_split",
+        "unsafe_split_with_sizes",
+    }
+)
+
+
+def _packet(name: str) -> str:
+    return name.removeprefix("aten.").split(".")[0]
+
+
+def _gradient_storage(values: Sequence[SimValue], ops: Sequence[SimOp]) -> list[int]:
+    """Per value, the value naming the buffer its gradient is summed in: its storage's,
+    except below a view op of ``OWN_GRADIENT_VIEW_OPS``, whose outputs have their own."""
+    store = [v.storage for v in values]
+    for v, val in enumerate(values):
+        if val.storage == v or val.producer < 0:
+            continue
+        op = ops[val.producer]
+        if _packet(op.name) in OWN_GRADIENT_VIEW_OPS:
+            store[v] = v
+        elif op.inputs and values[op.inputs[0]].storage == val.storage:
+            store[v] = store[op.inputs[0]]
+    return store
+
+
+def _view_gradient(
+    values: Sequence[SimValue], ops: Sequence[SimOp], store: Sequence[int], i: int
+) -> bool:
+    """Whether the gradient reaching the buffer ``store[i]`` from a reader of ``i`` is a
+    view: ``i`` is made from it by view ops whose formulas all return views."""
+    root = store[i]
+    v = i
+    while v != root:
+        producer = values[v].producer
+        if producer < 0:
+            return False
+        op = ops[producer]
+        if not op.inputs or _packet(op.name) not in VIEW_GRADIENT_OPS:
+            return False
+        v = op.inputs[0]
+    return i != root
+
+
+def _gets_gradient(inp: Handle) -> bool:
+    """Whether autograd computes a gradient for the region input ``inp``: it requires one
+    (a tensor no longer alive is assumed to, if floating)."""
+    t = inp.ref() if inp.ref is not None else None
+    if t is None:
+        return inp.dtype.is_floating_point
+    return bool(t.requires_grad) and t.dtype.is_floating_point
 
 
 def workspace_of(workspaces: Mapping[int, Workspace] | None, index: int) -> Workspace:
@@ -171,7 +285,7 @@ def from_region(
     for inp in region.inputs:
         vid[id(inp)] = len(values)
         values.append(SimValue(inp.nbytes, -1, len(values)))
-        floating.append(inp.dtype.is_floating_point)
+        floating.append(_gets_gradient(inp))
     ops: list[SimOp] = []
     used: set[int] = set()  # values consumed so far (ops and saves), for rule 6
     states: dict[int, int] = {}  # id of a generator state -> its index (rule 9)

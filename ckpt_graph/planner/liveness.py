@@ -38,14 +38,30 @@ graphs; ``from_region.from_region`` builds one from a recorded region.
 #    is alive from the step of its last consumer (or from the start for a region output:
 #    a value no op reads and autograd does not save, unlike ``native_layer_norm``'s mean
 #    and ``native_batch_norm``'s inverse deviation, which get no gradient) to the step of
-#    its producer; a region input's gradient is counted at each consumer's step
-#    only (parameters accumulate into ``.grad`` at once), and so is the contribution of an
-#    earlier consumer to an existing gradient (allocated, then added to the buffer). An op
-#    whose formula allocates no input gradient (measured: ``add`` hands its output's
-#    gradient on) makes the gradients starting at its step share that one buffer, alive
-#    until the last of them is consumed. An op's ``workspace`` (what its backward formula
-#    allocates beyond the input gradients: the unfolded input of a slow convolution, the
-#    normalised input of batch norm, oneDNN's reordered copies) counts at its step; its
+#    its producer; a region input's gradient (only of one that requires it) is counted at
+#    its consumer's step only (parameters accumulate into ``.grad`` at once), and so is
+#    the contribution of an earlier consumer to an existing gradient (allocated, then
+#    added to the buffer). Autograd sums all contributions to one tensor before its node
+#    runs, so a region input read at several steps (a tied embedding and LM head, T5's
+#    shared embedding) has one buffer from the last of them to the first, as an op output
+#    has. The sum is in place unless the buffer is a view of a gradient: the first
+#    contribution came through view ops whose formulas return views (``t``, ``view``,
+#    ``transpose``: ``VIEW_GRADIENT_OPS``, as ``linear``'s weight reaches ``mm`` through
+#    ``t``); then the next contribution is added out of place, one more buffer at its
+#    step (measured: a tied GPT-2, BERT or T5 peaks at the embedding's step with three
+#    vocabulary-sized buffers, the head's, the embedding's and their sum). An op whose
+#    formula allocates no input gradient (measured: ``add``, ``clone`` hand their
+#    output's gradient on) makes the gradients starting at its step share that one
+#    buffer, alive until the last of them is consumed. A view op whose formula allocates
+#    its input's gradient (``slice``, ``select``: a zero tensor of the input's size;
+#    ``split``, ``unbind``: the concatenation; ``expand``: a sum; ``OWN_GRADIENT_VIEW_OPS``)
+#    gives each output a gradient buffer of its own until the op's step, where the input's
+#    is made (counting the input's whole buffer from a split's last reader on put
+#    Mixtral's expert MLP, ``silu(gate) * up`` over one split, 11% above its measured
+#    peak). An op's
+#    ``workspace`` (what its backward formula allocates beyond the input gradients: the
+#    unfolded input of a slow convolution, the normalised input of batch norm, oneDNN's
+#    reordered copies) counts at its step; its
 #    ``run_workspace`` (the same for its forward) counts whenever it runs in backward.
 #    Autograd unpacks a node's saved tensors before its formula runs, so while a step's
 #    values are recomputed the gradients that step allocates do not exist yet
