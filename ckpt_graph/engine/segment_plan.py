@@ -202,7 +202,7 @@ class SegmentProfile:
             self.suffix,
         )
         # checkpoint bytes only grow along the cuts: paths above the greedy's are dropped
-        upper = greedy[1] if greedy is not None else suffix[0] + 1
+        upper = greedy[1] if greedy is not None else peak  # each segment fits: kept <= peak
         best = [-1] * (n + 1)  # per segment start: least checkpoint bytes of the cuts before
         prev = [-1] * (n + 1)
         reach = [0] * (n + 1)
