@@ -26,12 +26,15 @@ class SimValue:
         is_view: whether the engine sees the value as a view (rule 7); ``None`` means
             ``storage`` differs from its own id (an in-place result sharing the storage of
             the old version is not a view).
+        copied: a region input the region holds as a copy taken before a write of the
+            region (batch norm's running statistics): its bytes count (rule 3).
     """
 
     nbytes: int
     producer: int
     storage: int
     is_view: bool | None = None
+    copied: bool = False
 
 
 @dataclass(frozen=True)

@@ -204,11 +204,16 @@ def run_region(
 
 
 def held_bytes(region: cg.Region) -> int:
-    """Bytes of the storages the region holds: kept values (region inputs excluded) and
-    generator states."""
+    """Bytes of the storages the region holds: kept values (region inputs excluded, but
+    not the copies of them the region took before a write: batch norm's running
+    statistics) and generator states."""
     refs = [h.ref() if h.ref is not None else None for h in region.inputs]
     inputs = {t.untyped_storage().data_ptr() for t in refs if t is not None}
     storages = {}
+    for h in region.inputs:
+        if h.copied and h.value is not None:
+            st = h.value.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
     for node in region.nodes:
         for h in node.outputs:
             if h is not None and h.value is not None:
