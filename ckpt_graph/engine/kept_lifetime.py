@@ -112,7 +112,12 @@ def _rebase_may_read(storages: dict[int, StorageHistory], h: Handle) -> bool:
     v = h.value
     if not storages or v is None:
         return False
-    history = storages.get(v.untyped_storage().data_ptr())
+    # A weakref callback runs wherever the program drops a tensor, e.g. under a torch
+    # function mode that logs calls (DebugMode renders every storage it sees, element by
+    # element): ask for the storage below torch function.
+    with torch._C.DisableTorchFunction():
+        key = v.untyped_storage().data_ptr()
+    history = storages.get(key)
     if history is None or history.head is not h:
         return False
     return any(root.ref is not None and root.ref() is not None for root in history.roots)
