@@ -110,13 +110,13 @@ from ckpt_graph.planner.across_sizes import follow, match, op_shapes
 from ckpt_graph.planner.budget_check import Check
 from ckpt_graph.planner.budget_heuristic import heuristic, views_of_kept
 from ckpt_graph.planner.budget_planner import BudgetPlanner
-from ckpt_graph.planner.compile_solver import CompileSolver, solver_for
 from ckpt_graph.planner.cost_model import parse_budget
 from ckpt_graph.planner.records import KeptTensor, PlanReport, Run, StepPlan
 from ckpt_graph.planner.step_tracker import StepTracker
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
+    from ckpt_graph.planner.compile_solver import CompileSolver
 
 __all__ = ["KeptTensor", "MemoryBudget", "PlanReport", "StepPlan", "memory_budget"]
 
@@ -197,6 +197,11 @@ class MemoryBudget:
         """The partitioner's knapsack solver of this policy object under torch.compile (made
         at first use; its ``reports`` accumulate over the compiles this policy planned)."""
         if self._compile_solver is None:
+            # Imported here: the solver subclasses an inductor type, and importing inductor
+            # (about 900 modules) at ``import ckpt_graph`` slows the import and every full
+            # garbage collection of a program that never compiles.
+            from ckpt_graph.planner.compile_solver import solver_for
+
             self._compile_solver = solver_for(self)
         return self._compile_solver
 
