@@ -112,7 +112,15 @@ PLANNER_LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("graph", "simulator", "records"),
     ),
     "adapters": (
-        ("from_region", "workspaces", "cost_model", "region_graph", "blocks", "compile_solver"),
+        (
+            "from_region",
+            "permuted_gradients",
+            "workspaces",
+            "cost_model",
+            "region_graph",
+            "blocks",
+            "compile_solver",
+        ),
         ("graph", "simulator", "records", "solver"),
     ),
     "plans": (
