@@ -53,7 +53,7 @@ def test_checked_point_is_measured_after_its_check_and_written_as_json() -> None
     for row in rows:  # the probe of the check is over before the runner measures
         assert row.result.status == "ok", (row.result.strategy, row.note)
         assert row.result.max_grad_diff == 0.0 and row.result.peak_bytes
-    assert f"{bench.CHECK_STEPS} checked steps" in rows[2].note
+    assert f"{bench.CHECK_STEPS} steps, check=True" in rows[2].note
 
     data = json.loads(bench.as_json(rows, {"check": True}))
     assert data["check"] is True
