@@ -34,24 +34,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import ckpt_graph as cg  # noqa: E402
 from ckpt_graph.compare.third_party import SPECS  # noqa: E402
-from ckpt_graph.compare.zoo import build_workload  # noqa: E402
+from ckpt_graph.compare.zoo import TINY_SIZES, build_workload  # noqa: E402
 from ckpt_graph.planner.memory_budget import memory_budget  # noqa: E402
 
-TINY: dict[str, dict[str, int]] = {
-    "hf-gpt2": dict(layers=2, width=32, batch=2, seq_len=8),
-    "hf-llama": dict(layers=2, width=32, batch=2, seq_len=8),
-    "hf-bert": dict(layers=2, width=32, batch=2, seq_len=8),
-    "hf-t5": dict(layers=2, width=32, batch=2, seq_len=8),
-    "hf-mixtral": dict(layers=2, width=32, batch=2, seq_len=8),
-    "hf-vit": dict(layers=2, width=32, batch=2, seq_len=16),
-    "hf-swin": dict(layers=2, width=16, batch=1, seq_len=64),
-    "hf-convnext": dict(layers=2, width=8, batch=2, seq_len=32),
-    "hf-mobilenetv2": dict(layers=16, width=8, batch=2, seq_len=32),
-    "hf-efficientnet": dict(layers=10, width=8, batch=2, seq_len=32),
-    "hf-resnet": dict(layers=4, width=8, batch=2, seq_len=32),
-    "diffusers-unet": dict(layers=1, width=8, batch=2, seq_len=16),
-    "torch-loop": dict(layers=2, width=32, batch=2, seq_len=8),
-}
+TINY = TINY_SIZES
 
 
 def _policy(name: str) -> Any:

@@ -70,6 +70,24 @@ DEFAULTS: dict[str, ModelDefaults] = {
     },
 }
 
+# Third-party models at the smallest sizes that keep each architecture whole (images must survive every
+# downsampling): the sizes of the tests and of benchmarks/bench_sim_error.py.
+TINY_SIZES: dict[str, dict[str, int]] = {
+    "hf-gpt2": dict(layers=2, width=32, batch=2, seq_len=8),
+    "hf-llama": dict(layers=2, width=32, batch=2, seq_len=8),
+    "hf-bert": dict(layers=2, width=32, batch=2, seq_len=8),
+    "hf-t5": dict(layers=2, width=32, batch=2, seq_len=8),
+    "hf-mixtral": dict(layers=2, width=32, batch=2, seq_len=8),
+    "hf-vit": dict(layers=2, width=32, batch=2, seq_len=16),
+    "hf-swin": dict(layers=2, width=16, batch=1, seq_len=64),
+    "hf-convnext": dict(layers=2, width=8, batch=2, seq_len=32),
+    "hf-mobilenetv2": dict(layers=16, width=8, batch=2, seq_len=32),
+    "hf-efficientnet": dict(layers=10, width=8, batch=2, seq_len=32),
+    "hf-resnet": dict(layers=4, width=8, batch=2, seq_len=32),
+    "diffusers-unet": dict(layers=1, width=8, batch=2, seq_len=16),
+    "torch-loop": dict(layers=2, width=32, batch=2, seq_len=8),
+}
+
 
 @dataclass(frozen=True)
 class Workload:

@@ -18,27 +18,11 @@ import torch
 
 import ckpt_graph as cg
 from ckpt_graph.compare.third_party import SPECS
-from ckpt_graph.compare.zoo import THIRD_PARTY, Workload, build_workload
+from ckpt_graph.compare.zoo import THIRD_PARTY, TINY_SIZES, Workload, build_workload
 
 LIBRARY = {**{n: s.library for n, s in SPECS.items()}, "hf-gpt2": "transformers"}
 LIBRARY["hf-llama"] = "transformers"
 
-# Smallest sizes that keep each architecture whole (images must survive every downsampling).
-TINY: dict[str, dict[str, int]] = {
-    "hf-gpt2": dict(layers=2, width=32, batch=2, seq_len=8),
-    "hf-llama": dict(layers=2, width=32, batch=2, seq_len=8),
-    "hf-bert": dict(layers=2, width=32, batch=2, seq_len=8),
-    "hf-t5": dict(layers=2, width=32, batch=2, seq_len=8),
-    "hf-mixtral": dict(layers=2, width=32, batch=2, seq_len=8),
-    "hf-vit": dict(layers=2, width=32, batch=2, seq_len=16),
-    "hf-swin": dict(layers=2, width=16, batch=1, seq_len=64),
-    "hf-convnext": dict(layers=2, width=8, batch=2, seq_len=32),
-    "hf-mobilenetv2": dict(layers=16, width=8, batch=2, seq_len=32),
-    "hf-efficientnet": dict(layers=10, width=8, batch=2, seq_len=32),
-    "hf-resnet": dict(layers=4, width=8, batch=2, seq_len=32),
-    "diffusers-unet": dict(layers=1, width=8, batch=2, seq_len=16),
-    "torch-loop": dict(layers=2, width=32, batch=2, seq_len=8),
-}
 MODELS = ["hf-gpt2", "hf-llama", *THIRD_PARTY]
 
 
@@ -52,7 +36,7 @@ def _one_thread() -> Iterator[None]:
 
 
 def test_every_zoo_model_has_tiny_sizes() -> None:
-    assert set(TINY) == set(MODELS)
+    assert set(TINY_SIZES) == set(MODELS)
     assert len(MODELS) >= 12
 
 
@@ -60,7 +44,7 @@ def _workload(name: str) -> Workload:
     library = LIBRARY[name]
     if importlib.util.find_spec(library) is None:
         pytest.skip(f"{name} needs the {library!r} package, which is not installed")
-    return build_workload(name, **TINY[name], dropout=0.1)  # type: ignore[arg-type]
+    return build_workload(name, **TINY_SIZES[name], dropout=0.1)  # type: ignore[arg-type]
 
 
 def _step(w: Workload, initial: dict[str, torch.Tensor], policy: object) -> dict[str, Any]:
@@ -126,7 +110,7 @@ def test_missing_library_is_a_workload_error(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(importlib, "import_module", no_diffusers)
     with pytest.raises(WorkloadError, match=r"--model diffusers-unet needs the 'diffusers'"):
-        build_workload("diffusers-unet", **TINY["diffusers-unet"])  # type: ignore[arg-type]
+        build_workload("diffusers-unet", **TINY_SIZES["diffusers-unet"])  # type: ignore[arg-type]
 
 
 def test_mixtral_memory_budget_keeping_everything() -> None:
