@@ -68,7 +68,7 @@ SIZES: dict[str, dict[str, int]] = {
 
 def run_model(name: str, repeat: int) -> list[StrategyResult]:
     """``none``, torch's configurations and ``memory_budget`` at each of their peaks on one
-    model at :data:`SIZES`, timed side by side."""
+    model at :data:`SIZES`, timed side by side; a budget row's note is its planning note."""
     torch.manual_seed(0)
     w = build_workload(name, **SIZES[name])  # type: ignore[arg-type]
     run = WorkloadRun(w, seed=0)
@@ -80,7 +80,11 @@ def run_model(name: str, repeat: int) -> list[StrategyResult]:
         if (peak := run.peak_bytes(t)) is not None:
             key = f"memory_budget @ {t}"
             run.add(key, lambda peak=peak, key=key: planned(w, peak, key, said))  # type: ignore[misc]
-    return run.results(repeat)
+    # The planning note (plan, check steps, any warning) in place of the runner's empty one.
+    return [
+        dataclasses.replace(r, note=said.notes[r.strategy]) if r.strategy in said.notes else r
+        for r in run.results(repeat)
+    ]
 
 
 def _spread(values: list[float]) -> str:
