@@ -77,6 +77,8 @@ class StrategyResult:
         max_grad_diff: max |grad - grad of none| over all parameters (0.0 means bitwise equal).
         max_buffer_diff: the same for buffers after the step (e.g. BatchNorm running stats).
         cpu_time_s: median process CPU time of a timed step.
+        cpu_times_s: process CPU time of every timed step, in round order: round ``i`` of
+            two strategies ran back to back, so their ratio per round shows the noise.
         flops: FLOPs of the whole counted step (forward + backward, matmuls, convolutions
             and attention only), to put ``extra_flops`` in proportion.
     """
@@ -96,6 +98,7 @@ class StrategyResult:
     max_buffer_diff: float | None = None
     cpu_time_s: float | None = None
     flops: int | None = None
+    cpu_times_s: tuple[float, ...] = ()
 
     def __str__(self) -> str:
         if self.status != "ok":
@@ -411,6 +414,7 @@ class WorkloadRun:
             p.grad = None
         for name in forwards:
             self._figures[name]["cpu"] = statistics.median(cpu[name])
+            self._figures[name]["cpu_times"] = tuple(cpu[name])
         ref = next(iter(self._figures))
         return [
             _finish(fig, times.get(n, []), self._figures[ref], times[ref])
@@ -446,4 +450,5 @@ def _finish(
         max_buffer_diff=fig["max_buffer_diff"],
         cpu_time_s=fig["cpu"],
         flops=fig.get("flops"),
+        cpu_times_s=fig["cpu_times"],
     )
