@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 import ckpt_graph as cg
+from ckpt_graph.compare.architectures import GPT
 
 aten = torch.ops.aten
 
@@ -555,3 +556,18 @@ def blocks_step(blocks: nn.ModuleList, policy: Any, x: torch.Tensor) -> None:
         for b in blocks:
             h = b(h)
     h.pow(2).mean().backward()
+
+
+def gpt_loss_per_block(
+    model: GPT, x: torch.Tensor, policy: Any, regions: list[cg.Region] | None = None
+) -> torch.Tensor:
+    """The loss ``mean(out ** 2)`` of a ``GPT`` without dropout on ``x``, each block in a
+    region of its own under ``policy``; the regions are appended to ``regions`` if given."""
+    pos = torch.arange(x.shape[1])
+    h = model.tok(x) + model.pos(pos)
+    for block in model.blocks:
+        with cg.save_recompute_policy(policy) as region:
+            h = block(h)
+        if regions is not None:
+            regions.append(region)
+    return model.head(model.ln_f(h)).pow(2).mean()  # type: ignore[no-any-return]
