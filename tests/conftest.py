@@ -77,3 +77,22 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Reset torch.compile's caches and its counters before the test, and the caches after.
+
+    For tests that count graph breaks, captures or compiled graphs: what an earlier test
+    compiled is not counted, and what this one compiled is not reused by a later one.
+    torch._dynamo is imported here, not at the top, so tests that never compile load none
+    of it. A module of such tests asks for it with
+    ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``.
+    """
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
