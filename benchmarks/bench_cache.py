@@ -1,16 +1,16 @@
 """The README's first example, measured: one ``recompute_all`` region over a whole model.
 
-For each embedded model (``ckpt_graph.compare.zoo``, default sizes: 8 blocks) one training step runs
-under: no checkpointing; ``torch.utils.checkpoint`` per block (non-reentrant); one ckpt_graph
-``recompute_all`` region over the whole model with the bounded recompute cache (automatic
-``cache_limit``, see Note [Bounded recompute cache]); and the same region with
-``cache_limit="unbounded"`` (every recomputed value cached until its last use, the behaviour
-before the bound). Peaks are measured with ``ckpt_graph.memory.measure`` after a warm-up step
-(gradients allocated in the step count). The recompute ratio is the number of op runs in
-backward divided by the number of aten ops of the forward, both counted by the region
-(``PassState.recomputed_ops``, ``len(region.nodes)``); torch per block runs each block's
-forward once more, about 1 by construction. Prints a markdown table on stdout; about 15 s of
-CPU time on one thread.
+For each embedded model (``ckpt_graph.compare.zoo``, default sizes: 8 blocks) one training
+step runs under: no checkpointing; ``torch.utils.checkpoint`` per block (non-reentrant: the
+``compare`` strategy torch-ckpt); one ckpt_graph ``recompute_all`` region over the whole
+model with the bounded recompute cache (automatic ``cache_limit``,
+see Note [Bounded recompute cache]); and the same region with ``cache_limit="unbounded"``
+(every recomputed value cached until its last use, the behaviour before the bound). Peaks
+are measured with ``ckpt_graph.memory.measure`` after a warm-up step (gradients allocated in
+the step count). The recompute ratio is the number of op runs in backward divided by the
+number of aten ops of the forward, both counted by the region (``PassState.recomputed_ops``,
+``len(region.nodes)``); torch per block runs each block's forward once more, about 1 by
+construction. Prints a markdown table on stdout; about 15 s of CPU time on one thread.
 
 Usage:
     python benchmarks/bench_cache.py [--models gpt mlp] [--threads 1]
@@ -23,38 +23,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 import ckpt_graph as cg
+from ckpt_graph.compare.strategies import Forward, make_forward
 from ckpt_graph.compare.zoo import Workload, build_workload
 from ckpt_graph.memory import measure
 
 MIB = 2**20
 
 
-def _none(w: Workload) -> Callable[[], None]:
+def _step(w: Workload, forward: Forward) -> Callable[[], None]:
     def step() -> None:
         w.model.zero_grad(set_to_none=True)
-        w.loss(w.model(*w.inputs)).backward()
-
-    return step
-
-
-def _checkpointed(f: Callable[..., Any]) -> Callable[..., Any]:
-    return lambda *a: checkpoint(f, *a, use_reentrant=False)
-
-
-def _torch_per_block(w: Workload) -> Callable[[], None]:
-    def step() -> None:
-        w.model.zero_grad(set_to_none=True)
-        forwards = [b.forward for b in w.blocks]
-        try:
-            for b, f in zip(w.blocks, forwards, strict=True):
-                b.forward = _checkpointed(f)  # type: ignore[method-assign]
-            w.loss(w.model(*w.inputs)).backward()
-        finally:
-            for b, f in zip(w.blocks, forwards, strict=True):
-                b.forward = f  # type: ignore[method-assign]
+        w.loss(forward()).backward()
 
     return step
 
@@ -89,8 +70,8 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for name in args.models:
         w = build_workload(name)
-        none = _peak(_none(w))
-        per_block = _peak(_torch_per_block(w))
+        none = _peak(_step(w, make_forward("none", w)))
+        per_block = _peak(_step(w, make_forward("torch-ckpt", w)))
         bounded_stats: dict[str, int] = {}
         bounded = _peak(_one_region(w, bounded_stats))
         unbounded = _peak(_one_region(w, {}, cache_limit="unbounded"))

@@ -27,8 +27,8 @@ enumeration when small, else the lowest the heuristics find) to the highest of k
 or nothing. (The tests' range, keep-all to keep-nothing, is empty on real regions: keeping
 nothing caches every recomputed value until its step, as high a peak as keeping all.)
 
-Graphs: (a) seeded random DAGs of the MILP's exact class, built as in
-``tests/planner/test_milp.py`` (``milp_graph``), several sizes (60 ops: above the solver's
+Graphs: (a) seeded random DAGs of the MILP's exact class, the tests' generator
+(``milp_graph`` of ``tests/planner/sim_graphs.py``), several sizes (60 ops: above the solver's
 MILP seed, so the solver is its heuristics there); (b) small real regions
 recorded under ``memory_budget`` (the planner's own graph, candidates and hand plans, from
 ``region_graph``), reported with why the MILP is not exact for them. Where only gradient
@@ -52,7 +52,6 @@ import itertools
 import math
 import os
 import platform
-import random
 import statistics
 import sys
 import time
@@ -60,6 +59,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import scipy
@@ -68,36 +68,18 @@ import torch
 import ckpt_graph as cg
 from ckpt_graph.compare.zoo import build_workload
 from ckpt_graph.planner.budget_planner import BudgetPlanner
-from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue, simulate
+from ckpt_graph.planner.liveness import SimGraph, simulate
 from ckpt_graph.planner.milp import exact_for, milp_plan
 from ckpt_graph.planner.solve import SEEDS, candidate_ops, solve
+
+# The solver tests' random graphs (tests/planner/sim_graphs.py): one generator for both.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "planner"))
+from sim_graphs import milp_graph
 
 HEURISTICS = tuple(s for s in SEEDS if s != "milp")
 
 
 # --------------------------------------------------------------------------- graphs
-
-
-def milp_graph(seed: int, n_ops: int) -> SimGraph:
-    """A random DAG in the MILP's exact class (the generator of tests/planner/test_milp.py).
-
-    One output per op, every op saves its inputs, some also their output; short skips,
-    varied sizes and costs.
-    """
-    rng = random.Random(seed)
-    values = [SimValue(rng.choice([8, 16, 32]), -1, 0)]
-    ops: list[SimOp] = []
-    saved: list[tuple[int, int]] = []
-    for j in range(n_ops):
-        window = range(max(0, len(values) - 4), len(values))
-        ins = sorted({rng.choice(window) for _ in range(rng.choice([1, 1, 2]))})
-        v = len(values)
-        values.append(SimValue(rng.choice([4, 8, 16, 32, 64]), j, v))
-        ops.append(SimOp(tuple(ins), (v,), rng.choice([1, 2, 5, 10, 50, 100])))
-        saved += [(j, i) for i in ins]
-        if rng.random() < 0.2:
-            saved.append((j, v))
-    return SimGraph(tuple(values), tuple(ops), tuple(saved))
 
 
 Plans = list[tuple[int, int]]  # (activation peak, recompute cost) of every plan

@@ -3,12 +3,13 @@
 For each case one region covers the model's forward; the step is measured as the liveness
 tests measure it (``run_region`` of ``tests/planner/test_liveness.py``, imported so that the
 benchmark and the tests share one definition of "measured": kept bytes at backward start
-plus the highest rise of allocated bytes in backward, the second of two steps), and the
-simulator predicts ``peak_total_bytes`` for the region's kept values. The project's models
-(gpt with dropout, mlp, cnn) run at three policies and two cache limits; the third-party
-zoo (``compare.third_party``, plus transformers' GPT-2 and Llama) at the tiny sizes of
-``tests/compare/test_zoo_third_party.py``, under ``recompute_all`` and a budget plan, with
-the automatic cache bound. Zoo models whose library is missing are skipped.
+plus the highest rise of allocated bytes in backward, the second of two steps; the policies
+are that module's ``named_policy``, as in the drift tests), and the simulator predicts
+``peak_total_bytes`` for the region's kept values. The project's models (gpt with dropout,
+mlp, cnn) run at three policies and two cache limits; the third-party zoo
+(``compare.third_party``, plus transformers' GPT-2 and Llama) at the zoo tests' tiny sizes
+(``compare.zoo.TINY_SIZES``), under ``recompute_all`` and a budget plan, with the automatic
+cache bound. Zoo models whose library is missing are skipped.
 
 With ``--zoo-sizes`` the text models and ViT run instead at the default sizes of
 ``bench_zoo.py`` (``compare.zoo.DEFAULTS`` and ``third_party.SPECS``), where ops are not tiny.
@@ -32,20 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "planner"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import ckpt_graph as cg  # noqa: E402
 from ckpt_graph.compare.third_party import SPECS  # noqa: E402
 from ckpt_graph.compare.zoo import TINY_SIZES, build_workload  # noqa: E402
-from ckpt_graph.planner.memory_budget import memory_budget  # noqa: E402
 
 TINY = TINY_SIZES
-
-
-def _policy(name: str) -> Any:
-    if name == "save_matmuls":
-        return cg.policies.save_matmuls()
-    if name == "budget":  # a fixed flops_per_byte: the calibrated one follows machine load
-        return memory_budget(0.5, flops_per_byte=0.5)
-    return name
 
 
 def _library(name: str) -> str:
@@ -79,7 +70,7 @@ def _cases(zoo_sizes: bool) -> list[tuple[str, dict[str, Any], str, Any]]:
 
 
 def main() -> None:
-    from test_liveness import predicted_peak, run_region
+    from test_liveness import named_policy, predicted_peak, run_region
 
     torch.set_num_threads(1)
     zoo_sizes = "--zoo-sizes" in sys.argv[1:]
@@ -94,7 +85,7 @@ def main() -> None:
         w = build_workload(model, **sizes)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            run = run_region(w.model, w.inputs, _policy(policy), w.loss, cache_limit=limit)
+            run = run_region(w.model, w.inputs, named_policy(policy), w.loss, cache_limit=limit)
         predicted = predicted_peak(run)
         error = (predicted - run.measured) / run.measured
         (zoo if model in TINY else own).append(abs(error))

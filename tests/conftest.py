@@ -63,3 +63,36 @@ def _clean_state() -> Iterator[None]:
     memory._abandon_probes()
     assert not modes, f"dispatch modes left active after the test: {modes}"
     assert hooks is None, "saved-tensor hooks left installed after the test"
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Run the test on one torch thread and restore the count after it.
+
+    For tests of tiny ops on a busy machine, where OpenMP threads waiting for each other
+    cost more than the work (up to 100x on the third-party zoo's tiny models). A module of
+    such tests asks for it with ``pytestmark = pytest.mark.usefixtures("one_thread")``.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Reset torch.compile's caches and its counters before the test, and the caches after.
+
+    For tests that count graph breaks, captures or compiled graphs: what an earlier test
+    compiled is not counted, and what this one compiled is not reused by a later one.
+    torch._dynamo is imported here, not at the top, so tests that never compile load none
+    of it. A module of such tests asks for it with
+    ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``.
+    """
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()

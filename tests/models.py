@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 import ckpt_graph as cg
+from ckpt_graph.compare.architectures import GPT
 
 aten = torch.ops.aten
 
@@ -272,56 +273,46 @@ LIVE_OUTPUTS: list[weakref.ref[Any]] = []
 FRAGILE = {"max_calls": 1}
 
 
-@torch.library.custom_op("ckpt_graph_test::counted", mutates_args=())
-def counted(x: torch.Tensor) -> torch.Tensor:
-    """sin(x), counting calls; its backward needs its input."""
-    CALLS["counted"] += 1
-    out = x.sin()
-    LIVE_OUTPUTS.append(weakref.ref(out.untyped_storage()))
-    return out
+def _counting_op(
+    name: str,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    saves_output: bool,
+) -> Any:
+    """A custom op ``ckpt_graph_test::<name>`` computing ``fn(x)``, counting its calls in
+    ``CALLS[name]`` and recording its output's storage in ``LIVE_OUTPUTS``; its backward
+    saves its input (or its output when ``saves_output``) and returns ``grad(g, saved)``."""
+
+    @torch.library.custom_op(f"ckpt_graph_test::{name}", mutates_args=())
+    def op(x: torch.Tensor) -> torch.Tensor:
+        CALLS[name] += 1
+        out = fn(x)
+        LIVE_OUTPUTS.append(weakref.ref(out.untyped_storage()))
+        return out
+
+    @op.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    def setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.save_for_backward(output if saves_output else inputs[0])
+
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (saved,) = ctx.saved_tensors
+        return grad(g, saved)
+
+    op.register_autograd(backward, setup_context=setup)
+    return op
 
 
-@counted.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+# sin(x), counting calls; its backward needs its input.
+counted = _counting_op("counted", torch.sin, lambda g, x: g * x.cos(), saves_output=False)
+# exp(x), counting calls; its backward needs its output.
+counted_exp = _counting_op("counted_exp", torch.exp, lambda g, out: g * out, saves_output=True)
 
 
-def _counted_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+def _save_input(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.save_for_backward(inputs[0])
-
-
-def _counted_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-    (x,) = ctx.saved_tensors
-    return grad * x.cos()
-
-
-counted.register_autograd(_counted_backward, setup_context=_counted_setup)
-
-
-@torch.library.custom_op("ckpt_graph_test::counted_exp", mutates_args=())
-def counted_exp(x: torch.Tensor) -> torch.Tensor:
-    """exp(x), counting calls; its backward needs its output."""
-    CALLS["counted_exp"] += 1
-    out = x.exp()
-    LIVE_OUTPUTS.append(weakref.ref(out.untyped_storage()))
-    return out
-
-
-@counted_exp.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-def _counted_exp_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    ctx.save_for_backward(output)
-
-
-def _counted_exp_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-    (out,) = ctx.saved_tensors
-    return grad * out
-
-
-counted_exp.register_autograd(_counted_exp_backward, setup_context=_counted_exp_setup)
 
 
 @torch.library.custom_op("ckpt_graph_test::counted_pair", mutates_args=())
@@ -343,7 +334,7 @@ def _counted_pair_backward(ctx: Any, gs: torch.Tensor, gc: torch.Tensor) -> torc
     return gs * x.cos() - gc * x.sin()
 
 
-counted_pair.register_autograd(_counted_pair_backward, setup_context=_counted_setup)
+counted_pair.register_autograd(_counted_pair_backward, setup_context=_save_input)
 
 
 @torch.library.custom_op("ckpt_graph_test::fragile", mutates_args=())
@@ -565,3 +556,18 @@ def blocks_step(blocks: nn.ModuleList, policy: Any, x: torch.Tensor) -> None:
         for b in blocks:
             h = b(h)
     h.pow(2).mean().backward()
+
+
+def gpt_loss_per_block(
+    model: GPT, x: torch.Tensor, policy: Any, regions: list[cg.Region] | None = None
+) -> torch.Tensor:
+    """The loss ``mean(out ** 2)`` of a ``GPT`` without dropout on ``x``, each block in a
+    region of its own under ``policy``; the regions are appended to ``regions`` if given."""
+    pos = torch.arange(x.shape[1])
+    h = model.tok(x) + model.pos(pos)
+    for block in model.blocks:
+        with cg.save_recompute_policy(policy) as region:
+            h = block(h)
+        if regions is not None:
+            regions.append(region)
+    return model.head(model.ln_f(h)).pow(2).mean()  # type: ignore[no-any-return]

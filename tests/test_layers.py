@@ -56,6 +56,15 @@ def _stage(module: str) -> int:
     return best
 
 
+def _import_target(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The absolute module a ``from ... import`` in ``module`` names, relative ones resolved."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(path: Path, module: str) -> set[str]:
     is_package = path.name == "__init__.py"
     found: set[str] = set()
@@ -63,12 +72,7 @@ def _imports(path: Path, module: str) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = module.split(".") if is_package else module.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _import_target(node, module, is_package)
             found.add(target)
             # `from ckpt_graph.x import sub` may name a submodule.
             found.update(f"{target}.{a.name}" for a in node.names)
@@ -195,12 +199,7 @@ def _typed_imports(path: Path, module: str) -> list[tuple[str, str | None, bool]
         if isinstance(node, ast.Import):
             out.extend((a.name, None, type_only) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = module.split(".") if is_package else module.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _import_target(node, module, is_package)
             for a in node.names:
                 sub = f"{target}.{a.name}"
                 if _is_module(sub):  # `from ckpt_graph.x import sub` names a submodule

@@ -62,7 +62,7 @@ bound the same pass the same way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 __all__ = ["SegmentPlan", "SegmentProfile"]
@@ -175,14 +175,9 @@ class SegmentProfile:
         for c in cuts:
             if c < target:
                 start = c + 1
-        born, ending, suffix = self.born, self.ending, self.suffix
+        suffix = self.suffix
         best, best_bytes = -1, 0
-        frontier = 0
-        for p in range(start, target):
-            frontier += born[p]
-            for producer, nbytes in ending[p]:
-                if producer >= start:
-                    frontier -= nbytes
+        for p, _, frontier in self._grow(start, target, self.saved_bytes):
             held = frontier + suffix[p + 1] - suffix[target + 1]
             if best < 0 or held <= best_bytes:
                 best, best_bytes = p, held
@@ -194,13 +189,7 @@ class SegmentProfile:
         checkpoint bytes in all (rule 1): the peak reached, the checkpoint bytes and the
         cuts, or ``None`` if no cuts can."""
         greedy = self._cuts_within(peak)
-        n, saved_at, born, ending, suffix = (
-            self.n,
-            self.saved_at,
-            self.born,
-            self.ending,
-            self.suffix,
-        )
+        n, suffix = self.n, self.suffix
         # checkpoint bytes only grow along the cuts: paths above the greedy's are dropped
         upper = greedy[1] if greedy is not None else peak  # each segment fits: kept <= peak
         best = [-1] * (n + 1)  # per segment start: least checkpoint bytes of the cuts before
@@ -216,15 +205,7 @@ class SegmentProfile:
             if suffix[s] <= room and (end < 0 or kept <= best[end]):
                 end, upper = s, kept
                 continue
-            seg = frontier = 0
-            for p in range(s, n - 1):
-                seg += saved_at[p]
-                if seg > room:
-                    break
-                frontier += born[p]
-                for producer, nbytes in ending[p]:
-                    if producer >= s:
-                        frontier -= nbytes
+            for p, seg, frontier in self._grow(s, n - 1, room):
                 k = kept + frontier
                 if seg > 0 and k <= upper and (best[p + 1] < 0 or k <= best[p + 1]):
                     best[p + 1] = k
@@ -244,13 +225,7 @@ class SegmentProfile:
         """Greedy cuts keeping checkpoints plus each segment within ``peak`` bytes (rule 1):
         the peak reached, the checkpoint bytes of all cuts and the cuts, or ``None`` if it
         cannot."""
-        n, saved_at, born, ending, suffix = (
-            self.n,
-            self.saved_at,
-            self.born,
-            self.ending,
-            self.suffix,
-        )
+        n, suffix = self.n, self.suffix
         cuts: list[int] = []
         kept = 0  # checkpoint bytes of the cuts so far
         start = 0
@@ -259,17 +234,9 @@ class SegmentProfile:
             room = peak - kept
             if suffix[start] <= room:
                 return max(reached, kept + suffix[start]), kept, cuts
-            seg = frontier = 0
             best = -1
             best_frontier = best_seg = 0
-            for p in range(start, n):
-                seg += saved_at[p]
-                if seg > room:
-                    break
-                frontier += born[p]
-                for producer, nbytes in ending[p]:
-                    if producer >= start:
-                        frontier -= nbytes
+            for p, seg, frontier in self._grow(start, n, room):
                 # checkpoint bytes per byte of segment: the least, the latest of equals
                 if seg > 0 and (best < 0 or frontier * best_seg <= best_frontier * seg):
                     best, best_frontier, best_seg = p, frontier, seg
@@ -279,3 +246,21 @@ class SegmentProfile:
             kept += best_frontier
             cuts.append(best)
             start = best + 1
+
+    def _grow(self, start: int, stop: int, room: int) -> Iterator[tuple[int, int, int]]:
+        """A segment grown from op ``start``, one op at a time up to ``stop`` (excluded), while
+        its saved bytes fit in ``room``: per op ``p``, ``(p, saved bytes of ops start..p,
+        frontier)``, where the frontier is the bytes made in ops ``start..p`` that an op after
+        ``p`` reads, the checkpoints of a cut after ``p`` (rule 1). The one scan behind the
+        greedy, the least-kept search and the tail cut."""
+        saved_at, born, ending = self.saved_at, self.born, self.ending
+        seg = frontier = 0
+        for p in range(start, stop):
+            seg += saved_at[p]
+            if seg > room:
+                return
+            frontier += born[p]
+            for producer, nbytes in ending[p]:
+                if producer >= start:
+                    frontier -= nbytes
+            yield p, seg, frontier

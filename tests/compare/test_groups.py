@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,13 +15,7 @@ from ckpt_graph.compare.groups import chain_groups, group_forwards
 from ckpt_graph.compare.runner import run_comparison
 from ckpt_graph.compare.zoo import build_workload
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()  # tiny ops: OpenMP threads would only wait on each other
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class _Staged(nn.Module):

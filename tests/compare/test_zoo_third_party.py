@@ -10,7 +10,6 @@ where the model's library is not installed.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,13 +25,7 @@ LIBRARY["hf-llama"] = "transformers"
 MODELS = ["hf-gpt2", "hf-llama", *THIRD_PARTY]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny ops on a busy machine: OpenMP threads waiting for each other cost 100x the work.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_every_zoo_model_has_tiny_sizes() -> None:

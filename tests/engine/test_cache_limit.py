@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from models import LIVE_OUTPUTS, ZOO, check, counted, counted_exp, leaf, make_model, run
 from test_lifetime import gc_disabled
 from test_liveness import run_region
-from torch.utils.checkpoint import checkpoint
 
 import ckpt_graph as cg
 from ckpt_graph import CkptGraphError
+from ckpt_graph.compare.strategies import make_forward
 from ckpt_graph.compare.zoo import Workload, build_workload
 from ckpt_graph.engine import cache_bound
 from ckpt_graph.engine.segment_plan import SegmentPlan, SegmentProfile
@@ -173,37 +173,28 @@ def test_inplace_view_op_after_a_write_through_a_slice_run_again() -> None:
     check(lambda x: _views_and_inplace(x, inplace_view=True), [leaf(6, 6)])
 
 
-def test_inplace_view_op_on_a_kept_value_in_a_second_pass() -> None:
-    def twice(x: torch.Tensor) -> torch.Tensor:
-        with cg.save_recompute_policy("recompute_all", cache_limit="unbounded"):
-            y = _views_and_inplace(x, inplace_view=True)
-        (g1,) = torch.autograd.grad(y, x, retain_graph=True)
-        (g2,) = torch.autograd.grad(y, x)
-        torch.testing.assert_close(g2, g1, rtol=0, atol=0)
-        return g1
-
+def _two_passes_are_exact(inplace_view: bool, cache_limit: str | None) -> None:
+    """Two passes over one recompute_all region of ``_views_and_inplace`` (the first with
+    ``retain_graph``) give the same gradient, bit for bit that of the run without it."""
     x = leaf(6, 6)
     torch.manual_seed(0)
-    ref = torch.autograd.grad(_views_and_inplace(x, inplace_view=True), x)[0]
+    ref = torch.autograd.grad(_views_and_inplace(x, inplace_view=inplace_view), x)[0]
     torch.manual_seed(0)
-    torch.testing.assert_close(twice(x), ref, rtol=0, atol=0)
+    with cg.save_recompute_policy("recompute_all", cache_limit=cache_limit):
+        y = _views_and_inplace(x, inplace_view=inplace_view)
+    (g1,) = torch.autograd.grad(y, x, retain_graph=True)
+    (g2,) = torch.autograd.grad(y, x)
+    torch.testing.assert_close(g2, g1, rtol=0, atol=0)
+    torch.testing.assert_close(g1, ref, rtol=0, atol=0)
+
+
+def test_inplace_view_op_on_a_kept_value_in_a_second_pass() -> None:
+    _two_passes_are_exact(inplace_view=True, cache_limit="unbounded")
 
 
 @pytest.mark.usefixtures("tiny_segments")
 def test_retain_graph_second_pass_and_partial_grad_are_exact() -> None:
-    def twice(x: torch.Tensor) -> torch.Tensor:
-        with cg.save_recompute_policy("recompute_all"):
-            y = _views_and_inplace(x)
-        (g1,) = torch.autograd.grad(y, x, retain_graph=True)
-        (g2,) = torch.autograd.grad(y, x)
-        torch.testing.assert_close(g2, g1, rtol=0, atol=0)
-        return g1
-
-    x = leaf(6, 6)
-    torch.manual_seed(0)
-    ref = torch.autograd.grad(_views_and_inplace(x), x)[0]
-    torch.manual_seed(0)
-    torch.testing.assert_close(twice(x), ref, rtol=0, atol=0)
+    _two_passes_are_exact(inplace_view=False, cache_limit=None)
 
 
 @pytest.mark.usefixtures("tiny_segments")
@@ -225,21 +216,13 @@ def test_nothing_alive_after_a_bounded_backward() -> None:
 
 
 # ----------------------------------------------------------------------------- memory
-def _checkpointed(f: Callable[..., Any]) -> Callable[..., Any]:
-    return lambda *a: checkpoint(f, *a, use_reentrant=False)
-
-
 def _per_block(w: Workload) -> Callable[[], None]:
+    """One step with torch's checkpoint per block, as ``compare``'s torch-ckpt runs it."""
+    forward = make_forward("torch-ckpt", w)
+
     def step() -> None:
         w.model.zero_grad(set_to_none=True)
-        forwards = [b.forward for b in w.blocks]
-        try:
-            for b, f in zip(w.blocks, forwards, strict=True):
-                b.forward = _checkpointed(f)  # type: ignore[method-assign]
-            w.loss(w.model(*w.inputs)).backward()
-        finally:
-            for b, f in zip(w.blocks, forwards, strict=True):
-                b.forward = f  # type: ignore[method-assign]
+        w.loss(forward()).backward()
 
     return step
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -57,12 +57,7 @@ class Net(torch.nn.Module):
         return self.head(h)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _net(loop: bool = True) -> Net:

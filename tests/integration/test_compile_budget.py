@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -30,12 +30,7 @@ from ckpt_graph.integrations.wrap import wrap
 FLOPS_PER_BYTE = 4.0  # pinned: the plan must not depend on this machine's calibration
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class Block(torch.nn.Module):

@@ -10,7 +10,7 @@ is a ``call_hook`` node placed just before its first user, then hands that graph
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -43,12 +43,7 @@ class Net(torch.nn.Module):
         return x
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _setup() -> tuple[Net, torch.Tensor, Callable[[], list[torch.Tensor]]]:

@@ -35,17 +35,11 @@ def _dataset() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def _train(
-    model: Any, tmp_path: Path, gc: bool, flag: str = "activation_checkpointing", **extra: Any
-) -> tuple[list[float], Any]:
-    """Trainer steps on ``model``; the per-step losses and the trainer.
-
-    ``flag`` is the TrainingArguments name of the switch: ``activation_checkpointing``
-    (transformers 5) or its deprecated alias ``gradient_checkpointing``.
-    """
-    extra[flag] = gc
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
+def _args(output_dir: Path, **extra: Any) -> Any:
+    """TrainingArguments of the runs compared here: ``STEPS`` steps on the CPU, a loss
+    logged at every step, nothing saved or reported."""
+    return transformers.TrainingArguments(
+        output_dir=str(output_dir),
         max_steps=STEPS,
         per_device_train_batch_size=4,
         learning_rate=1e-3,
@@ -57,7 +51,20 @@ def _train(
         seed=0,
         **extra,
     )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_dataset())
+
+
+def _train(
+    model: Any, tmp_path: Path, gc: bool, flag: str = "activation_checkpointing", **extra: Any
+) -> tuple[list[float], Any]:
+    """Trainer steps on ``model``; the per-step losses and the trainer.
+
+    ``flag`` is the TrainingArguments name of the switch: ``activation_checkpointing``
+    (transformers 5) or its deprecated alias ``gradient_checkpointing``.
+    """
+    extra[flag] = gc
+    trainer = transformers.Trainer(
+        model=model, args=_args(tmp_path, **extra), train_dataset=_dataset()
+    )
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert len(losses) == STEPS
@@ -165,18 +172,7 @@ def test_trainer_callback_enables_and_checks(tmp_path: Path) -> None:
     plain = build("llama", layers=2)
     model = copy.deepcopy(plain)
     ref_losses, _ = _train(plain, tmp_path / "plain", gc=False)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "cb"),
-        max_steps=STEPS,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
-    )
+    args = _args(tmp_path / "cb")
     callback = cg_hf.CheckpointCallback(policy=cg.policies.save_matmuls())
     assert isinstance(callback, transformers.TrainerCallback)
     trainer = transformers.Trainer(

@@ -8,7 +8,7 @@ them (or, for a functional model, the loop iteration that ran them).
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,13 +23,7 @@ from ckpt_graph.planner.from_region import from_region
 from ckpt_graph.planner.hand_seeds import hand_seeds
 from ckpt_graph.planner.solve import candidate_ops
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _record(fn: Callable[[], torch.Tensor]) -> tuple[Region, Blocks]:

@@ -4,46 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import random
 import warnings
 from collections.abc import Iterable
 
 import models
 import pytest
 import torch
+from sim_graphs import random_graph
 from torch import nn
 
 import ckpt_graph as cg
 from ckpt_graph.compare.architectures import GPT
 from ckpt_graph.memory import measure
 from ckpt_graph.planner.from_region import from_region, kept_ops_of
-from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue, simulate
+from ckpt_graph.planner.liveness import SimGraph, simulate
 from ckpt_graph.planner.memory_budget import MemoryBudget, PlanReport, memory_budget
 from ckpt_graph.planner.seeds import mincut_plan
 from ckpt_graph.planner.solve import brute_force, candidate_ops, solve
 
 # --------------------------------------------------------------------------- solver
-
-
-def random_graph(seed: int, n_ops: int) -> SimGraph:
-    """A random DAG with short skips, views, varied sizes and costs, and random saves."""
-    rng = random.Random(seed)
-    values = [SimValue(rng.choice([8, 16, 32]), -1, 0)]
-    ops: list[SimOp] = []
-    saved: list[tuple[int, int]] = []
-    for j in range(n_ops):
-        window = range(max(0, len(values) - 4), len(values))
-        ins = sorted({rng.choice(window) for _ in range(rng.choice([1, 1, 2]))})
-        v = len(values)
-        view = rng.random() < 0.1 and values[ins[0]].producer >= 0
-        values.append(
-            SimValue(rng.choice([4, 8, 16, 32, 64]), j, values[ins[0]].storage if view else v)
-        )
-        ops.append(SimOp(tuple(ins), (v,), 0 if view else rng.choice([1, 2, 5, 10, 50, 100])))
-        saved += [(j, i) for i in ins if rng.random() < 0.5]
-        if rng.random() < 0.2:
-            saved.append((j, v))
-    return SimGraph(tuple(values), tuple(ops), tuple(saved))
 
 
 def budgets(g: SimGraph, cands: list[int]) -> list[int]:

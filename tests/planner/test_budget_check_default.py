@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,12 +33,7 @@ OVER = re.compile(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _step(w: Workload, forward: Callable[[], Any]) -> None:

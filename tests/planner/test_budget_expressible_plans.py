@@ -58,6 +58,19 @@ def _step(model: nn.Module, x: torch.Tensor, run: Callable[[torch.Tensor], torch
     run(x).sum().backward()
 
 
+def _setup(
+    size: tuple[int, int, int, int],
+) -> tuple[nn.Sequential, torch.Tensor, list[torch.Tensor]]:
+    """The model of ``size`` (channels, blocks, batch, side), its batch, and its gradients
+    without checkpointing."""
+    dim, n, batch, side = size
+    model = _model(dim, n)
+    x = torch.randn(batch, dim, side, side)
+    _step(model, x, model)
+    expected = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    return model, x, expected
+
+
 def _one_region(model: nn.Module, policy: object) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         with cg.save_recompute_policy(policy):
@@ -108,11 +121,7 @@ def _check(budget: Point, every: Point, expected: list[torch.Tensor]) -> None:
 def test_budget_per_block_measures_no_higher_than_recompute_all(
     size: tuple[int, int, int, int], fraction: float
 ) -> None:
-    dim, n, batch, side = size
-    model = _model(dim, n)
-    x = torch.randn(batch, dim, side, side)
-    _step(model, x, model)
-    expected = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model, x, expected = _setup(size)
     cg.wrap(model, "recompute_all", match=ConvNeXtBlock)
     every = _point(model, model, x)
     cg.wrap(model, memory_budget(fraction, flops_per_byte=FPB), match=ConvNeXtBlock)
@@ -124,11 +133,7 @@ def test_budget_per_block_measures_no_higher_than_recompute_all(
 def test_budget_over_one_region_measures_no_higher_than_recompute_all(
     size: tuple[int, int, int, int], fraction: float
 ) -> None:
-    dim, n, batch, side = size
-    model = _model(dim, n)
-    x = torch.randn(batch, dim, side, side)
-    _step(model, x, model)
-    expected = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model, x, expected = _setup(size)
     every = _point(model, _one_region(model, "recompute_all"), x)
     policy = memory_budget(fraction, flops_per_byte=FPB)
     _check(_point(model, _one_region(model, policy), x), every, expected)

@@ -20,7 +20,7 @@ the states the region holds at its exit. ``flops_per_byte`` is pinned.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -36,13 +36,7 @@ FPB = 4.0
 POLICIES = ["memory_budget(1.0)", "must_save_all"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Small ops on a busy machine: OpenMP threads waiting for each other cost more than the work.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _conv_bn_relu(inplace: bool) -> tuple[nn.Module, tuple[torch.Tensor, ...], Any]:

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from models import blocks_step, mlp_blocks
+from models import blocks_step, gpt_loss_per_block, mlp_blocks
 from torch import nn
 
 import ckpt_graph as cg
@@ -44,20 +44,17 @@ def test_full_budget_recomputes_nothing(per_layer: bool) -> None:
     policy = memory_budget(1.0, flops_per_byte=FPB, check=True)
     for _ in range(3):
         model.zero_grad()
-        regions = []
-        pos = torch.arange(x.shape[1])
-        h = model.tok(x) + model.pos(pos)
+        regions: list[cg.Region] = []
         if per_layer:
-            for block in model.blocks:
-                with cg.save_recompute_policy(policy) as region:
-                    h = block(h)
-                regions.append(region)
+            loss = gpt_loss_per_block(model, x, policy, regions)
         else:
+            h = model.tok(x) + model.pos(torch.arange(x.shape[1]))
             with cg.save_recompute_policy(policy) as region:
                 for block in model.blocks:
                     h = block(h)
             regions.append(region)
-        model.head(model.ln_f(h)).pow(2).mean().backward()
+            loss = model.head(model.ln_f(h)).pow(2).mean()
+        loss.backward()
         torch.testing.assert_close(_grads(model), ref, rtol=0, atol=0)
         assert [n.realized for r in regions for n in r.nodes if n.realized] == []
     report = policy.report()
@@ -124,12 +121,7 @@ def test_step_report_is_a_table_of_every_region() -> None:
     policy = memory_budget(0.5, flops_per_byte=FPB, check=True)
     for _ in range(3):
         model.zero_grad()
-        pos = torch.arange(x.shape[1])
-        h = model.tok(x) + model.pos(pos)
-        for block in model.blocks:
-            with cg.save_recompute_policy(policy):
-                h = block(h)
-        model.head(model.ln_f(h)).pow(2).mean().backward()
+        gpt_loss_per_block(model, x, policy).backward()
     step = policy.step_report()
     assert step is not None
     text = str(step)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from models import gpt_loss_per_block
 
 import ckpt_graph as cg
 from ckpt_graph.compare.architectures import GPT
@@ -46,12 +47,7 @@ def _blocks_step(policy: MemoryBudget) -> Step:
     def step(model: GPT, x: torch.Tensor) -> None:
         for p in model.parameters():
             p.grad.zero_()  # type: ignore[union-attr]
-        pos = torch.arange(x.shape[1])
-        h = model.tok(x) + model.pos(pos)
-        for block in model.blocks:
-            with cg.save_recompute_policy(policy):
-                h = block(h)
-        model.head(model.ln_f(h)).pow(2).mean().backward()
+        gpt_loss_per_block(model, x, policy).backward()
 
     return step
 
@@ -132,14 +128,7 @@ def test_step_boundaries() -> None:
     first = policy.step_report()
     assert first is not None and first.regions == LAYERS
     # Two forwards before one backward: one step of 2 x LAYERS regions.
-    pos = torch.arange(x.shape[1])
-    losses = []
-    for _ in range(2):
-        h = model.tok(x) + model.pos(pos)
-        for block in model.blocks:
-            with cg.save_recompute_policy(policy):
-                h = block(h)
-        losses.append(model.head(model.ln_f(h)).pow(2).mean())
+    losses = [gpt_loss_per_block(model, x, policy) for _ in range(2)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # regions #6.. have no plan of their own
         sum(losses).backward()  # type: ignore[union-attr]

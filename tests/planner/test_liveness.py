@@ -242,9 +242,17 @@ def build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
     return gpt() if name == "gpt" else make_model(name)
 
 
-def resolve(policy: Any) -> Any:
-    # A fixed flops_per_byte: the calibrated one varies with machine load, and so would the plan.
-    return memory_budget(0.5, flops_per_byte=0.5) if policy == "budget" else policy
+def named_policy(policy: Any) -> Any:
+    """The policy a test case names: ``"save_matmuls"`` the built-in, ``"budget"`` a
+    ``memory_budget(0.5)``, anything else (a policy, or a name the engine knows) as given.
+    The simulator tests, the drift tests and ``benchmarks/bench_sim_error.py`` share it."""
+    if policy == "save_matmuls":
+        return cg.policies.save_matmuls()
+    if policy == "budget":
+        # A fixed flops_per_byte: the calibrated one varies with machine load, and so would
+        # the plan.
+        return memory_budget(0.5, flops_per_byte=0.5)
+    return policy
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=str)
@@ -253,7 +261,9 @@ def test_simulator_counts_the_ops_the_engine_recomputes(name: str, policy: Any) 
     model, x = build(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        region = run_region(model, (x,), resolve(policy), steps=2 if policy == "budget" else 1)[0]
+        region = run_region(
+            model, (x,), named_policy(policy), steps=2 if policy == "budget" else 1
+        )[0]
     r = simulate(from_region(region), kept_ops_of(region))
     assert r.recomputed_ops == region.pass_state.recomputed_ops
 
@@ -264,7 +274,7 @@ def test_simulated_backward_peak_within_10_percent_of_measured(name: str, policy
     model, x = build(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run = run_region(model, (x,), resolve(policy))
+        run = run_region(model, (x,), named_policy(policy))
     predicted, measured = predicted_peak(run), run.measured
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
 
@@ -275,7 +285,7 @@ def test_embedded_workloads_with_the_loss_in_the_region(name: str, policy: str) 
     # float32: oneDNN convolutions, cross-entropy (log_softmax saves its output, which
     # nll_loss then saves as its input: the step of each save matters, rule 1).
     w = build_workload(name, layers=2, width=32, batch=2, seq_len=16)
-    pol = cg.policies.save_matmuls() if policy == "save_matmuls" else resolve(policy)
+    pol = named_policy(policy)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run = run_region(w.model, w.inputs, pol, w.loss)

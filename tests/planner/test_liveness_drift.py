@@ -16,13 +16,12 @@ from typing import Any
 
 import pytest
 import torch
-from test_liveness import predicted_peak, run_region
+from test_liveness import named_policy, predicted_peak, run_region
 
 import ckpt_graph as cg
 from ckpt_graph.compare.zoo import build_workload
 from ckpt_graph.planner.from_region import from_region, kept_ops_of
 from ckpt_graph.planner.liveness import simulate
-from ckpt_graph.planner.memory_budget import memory_budget
 
 MODELS = ["gpt", "mlp", "cnn"]
 POLICIES = ["recompute_all", "save_matmuls", "budget"]
@@ -33,14 +32,6 @@ def _workload(name: str) -> Any:
     # GPT with dropout: random ops replayed, generator states dropped as their ops die.
     extra = {"dropout": 0.1} if name == "gpt" else {}
     return build_workload(name, layers=3, width=32, batch=2, seq_len=16, **extra)
-
-
-def _policy(name: str) -> Any:
-    if name == "save_matmuls":
-        return cg.policies.save_matmuls()
-    if name == "budget":  # a fixed flops_per_byte: the calibrated one follows machine load
-        return memory_budget(0.5, flops_per_byte=0.5)
-    return name
 
 
 def _cases(*axes: list[Any], quick: Any) -> list[Any]:
@@ -65,7 +56,7 @@ def test_simulated_pass_matches_the_real_one(name: str, policy: str, cache_limit
     w = _workload(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run = run_region(w.model, w.inputs, _policy(policy), w.loss, cache_limit=cache_limit)
+        run = run_region(w.model, w.inputs, named_policy(policy), w.loss, cache_limit=cache_limit)
     region = run.region
     sim = simulate(run.graph, kept_ops_of(region))
     assert len(sim.runs) == len(region.nodes)
@@ -90,7 +81,7 @@ def test_each_pass_of_a_retained_graph_runs_what_the_simulator_predicts(
     w = _workload(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pol = _policy(policy)
+        pol = named_policy(policy)
         for _ in range(2 if policy == "budget" else 1):  # the budget plans at its first step
             with cg.save_recompute_policy(pol) as region:
                 loss = w.loss(w.model(*w.inputs))
@@ -120,7 +111,7 @@ def test_simulated_pass_matches_the_real_one_with_a_tied_lm_head(name: str, poli
     assert w.model.get_output_embeddings().weight is emb  # tied
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run = run_region(w.model, w.inputs, _policy(policy), w.loss)
+        run = run_region(w.model, w.inputs, named_policy(policy), w.loss)
     region = run.region
     sim = simulate(run.graph, kept_ops_of(region))
     assert list(sim.runs) == _runs(region)

@@ -18,14 +18,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_liveness import predicted_peak, run_region
+from test_liveness import named_policy, predicted_peak, run_region
 from torch import nn
 
-import ckpt_graph as cg
 from ckpt_graph.compare.zoo import build_workload
 from ckpt_graph.planner.from_region import kept_ops_of
 from ckpt_graph.planner.liveness import simulate
-from ckpt_graph.planner.memory_budget import memory_budget
 
 
 class ConvNeXtBlock(nn.Module):
@@ -71,18 +69,10 @@ def _zoo(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], Any]:
     return w.model, w.inputs, w.loss
 
 
-def _policy(name: str) -> Any:
-    if name == "save_matmuls":
-        return cg.policies.save_matmuls()
-    if name == "budget":  # a fixed flops_per_byte: the calibrated one follows machine load
-        return memory_budget(0.5, flops_per_byte=0.5)
-    return name
-
-
 def _check(model: nn.Module, inputs: tuple[Any, ...], loss: Any, policy: str, limit: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run = run_region(model, inputs, _policy(policy), loss, cache_limit=limit)
+        run = run_region(model, inputs, named_policy(policy), loss, cache_limit=limit)
     region = run.region
     sim = simulate(run.graph, kept_ops_of(region))
     assert list(sim.runs) == [n.realized for n in region.nodes]  # the same ops ran, as often

@@ -3,34 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
+from sim_graphs import milp_graph
 
-from ckpt_graph.planner.liveness import SimGraph, SimOp, SimValue, simulate
+from ckpt_graph.planner.liveness import SimGraph, SimValue, simulate
 from ckpt_graph.planner.milp import exact_for, milp_plan
 from ckpt_graph.planner.solve import brute_force, candidate_ops, search_evals, solve
-
-
-def milp_graph(seed: int, n_ops: int) -> SimGraph:
-    """A random DAG in the MILP's exact class: one output per op, every op saves its inputs.
-
-    Short skips, varied sizes and costs; some ops also save their output.
-    """
-    rng = random.Random(seed)
-    values = [SimValue(rng.choice([8, 16, 32]), -1, 0)]
-    ops: list[SimOp] = []
-    saved: list[tuple[int, int]] = []
-    for j in range(n_ops):
-        window = range(max(0, len(values) - 4), len(values))
-        ins = sorted({rng.choice(window) for _ in range(rng.choice([1, 1, 2]))})
-        v = len(values)
-        values.append(SimValue(rng.choice([4, 8, 16, 32, 64]), j, v))
-        ops.append(SimOp(tuple(ins), (v,), rng.choice([1, 2, 5, 10, 50, 100])))
-        saved += [(j, i) for i in ins]
-        if rng.random() < 0.2:
-            saved.append((j, v))
-    return SimGraph(tuple(values), tuple(ops), tuple(saved))
 
 
 def budgets(g: SimGraph) -> list[int]:
