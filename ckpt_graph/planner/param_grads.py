@@ -99,8 +99,10 @@ def param_grads(
     wanted = {r for r in fresh if floating[r] and values[r].producer < 0}
     if not wanted:
         return alive, made, end
-    # a value has a gradient when its buffer does (a view shares its base's)
-    has_grad = [floating[v] or floating[store[v]] for v in range(len(values))]
+    # a value has a gradient when its buffer does: a view shares its base's, the output
+    # of a view op that allocates its input's gradient (``slice``) has its own
+    own = [f or (store[v] == v and floating[values[v].storage]) for v, f in enumerate(floating)]
+    has_grad = [own[v] or own[store[v]] for v in range(len(values))]
     skip = set(passthrough)
     first: dict[int, int] = {}  # parameter -> first step (forward order) adding to it
     parts: dict[int, list[tuple[int, int]]] = {}
