@@ -16,14 +16,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from models import blocks_step, mlp_blocks
+from models import mlp_blocks
 from test_liveness import predicted_peak, run_region
 from torch import nn
 
 import ckpt_graph as cg
 from ckpt_graph.memory import measure
-from ckpt_graph.planner.from_region import from_region
-from ckpt_graph.planner.liveness import simulate
 from ckpt_graph.planner.memory_budget import memory_budget
 from ckpt_graph.planner.param_grads import param_grads
 from ckpt_graph.planner.sim_graph import SimOp, SimValue
@@ -150,24 +148,10 @@ def test_predicted_peak_matches_measured_with_grads_none_and_existing(
         assert unused.grad is None and model.frozen.grad is None  # type: ignore[union-attr]
 
 
-def test_the_budget_check_counts_the_gradients_the_step_made_as_predicted() -> None:
-    # A byte budget above the step's peak with its parameters' gradients: the first planned
-    # step measures within it (before rule 10 the prediction left them out: a budget
-    # between the two was "met" by the plan and missed by the step).
-    model, inputs, loss = _wide()
-    with cg.save_recompute_policy("recompute_all") as region:
-        out = loss(model(*inputs))
-    g = from_region(region)
-    out.backward()
-    sim = simulate(g, [])
-    assert g.param_grad_bytes == sum(p.nbytes for p in model.parameters())
-    assert sim.peak_total_bytes > g.param_grad_bytes
-
-
 def test_a_step_of_several_regions_holds_the_later_regions_gradients() -> None:
     # Six MLP blocks, one region each: while block k runs backward, the gradients of blocks
     # k+1.. exist (Note [Step budget across regions] rule 1). The step's prediction with
-    # them is within 2% of the measured step; without them it is 40% below.
+    # them was 0.13% below the measured step when written; before rule 10, 84% below.
     blocks, x = mlp_blocks(), torch.randn(8, 128)
     policy = memory_budget(1.0, flops_per_byte=0.5, check=False)
 
@@ -189,14 +173,7 @@ def test_a_step_of_several_regions_holds_the_later_regions_gradients() -> None:
     assert plan is not None and plan.regions == 6
     grads = sum(p.nbytes for p in blocks.parameters())
     assert measured > grads
-    assert abs(plan.predicted_peak_bytes - measured) <= 0.02 * measured, (
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.01 * measured, (
         plan.predicted_peak_bytes,
         measured,
     )
-
-
-def test_blocks_step_resets_gradients_to_none() -> None:
-    # The budget tests' shared step sets gradients to None: their budgets see rule 10.
-    blocks, x = mlp_blocks(), torch.randn(4, 128)
-    blocks_step(blocks, None, x)
-    assert all(p.grad is not None for p in blocks.parameters())
