@@ -405,9 +405,6 @@ def from_region(
         grads_in[k] = grads_in.get(k, 0) + alive - made
     store = _gradient_storage(values, ops)
     alive_p, made_p, end = param_grads(values, ops, floating, store, fresh, passthrough)
-    for k, b in alive_p.items():
-        grads[k] = grads.get(k, 0) + b
-        grads_in[k] = grads_in.get(k, 0) + b - made_p.get(k, 0)
     return SimGraph(
         tuple(values),
         tuple(ops),
@@ -420,6 +417,8 @@ def from_region(
         grads_in,
         cache_bound.BOUND_MIN_BYTES,
         end + sum(after.values()),
+        alive_p,
+        made_p,
     )
 
 

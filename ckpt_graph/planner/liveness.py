@@ -217,6 +217,9 @@ class _Accountant:
         # while recomputing for the step's unpacks, its own gradients are not made yet
         grads = g.step_grad_bytes
         grad = grads.get(step, 0) if formula else g.step_grad_in_bytes.get(step, grads.get(step, 0))
+        grad += g.param_grad_steps.get(step, 0)  # rule 10
+        if not formula:
+            grad -= g.param_grad_made.get(step, 0)
         total = self.level + self.rng_level + grad + extra
         if total > self.peak_total:
             self.peak_total, self.peak_step = total, step

@@ -29,6 +29,13 @@
 # 4. A parameter with ``requires_grad=False`` has no gradient (rule 4); one the region does
 #    not read is not a region input; one read only by ops whose outputs get no gradient
 #    (``zeros_like(w)``, ``w.detach()``) gets none from this region.
+# 5. Budgets. A byte budget is a promise about the measured step (Note [Measured budget
+#    check]), which holds these buffers: its graphs count them. A fraction budget is of the
+#    step's simulated peak without checkpointing, as before this rule (Note [Memory budget
+#    policy] rule 1): its graphs leave them out (``without_param_grads``), so that a
+#    fraction is of what checkpointing changes. (Counting them there too made 0.5 out of
+#    reach on the test suite's tiny GPTs, whose parameters' gradients are about half
+#    their step peak.)
 # Known limitations: the state of ``.grad`` is read when the graph is built (at the region's
 # exit): a program that sets gradients to ``None`` between forward and backward is modelled
 # with the state before; a planner graph reused by later steps keeps the first step's state
@@ -42,11 +49,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 
-from ckpt_graph.planner.sim_graph import SimOp, SimValue
+from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimValue
 
-__all__ = ["TRANSPOSING_VIEW_OPS", "param_grads"]
+__all__ = ["TRANSPOSING_VIEW_OPS", "param_grads", "without_param_grads"]
 
 # View ops whose gradient formula returns a transposed view of their output's gradient: a
 # parameter's first gradient reached through one has other strides than the parameter, and
@@ -144,3 +152,17 @@ def _transposed(
         turned = turned or _packet(ops[producer].name) in TRANSPOSING_VIEW_OPS
         v = ops[producer].inputs[0]
     return turned
+
+
+def without_param_grads(g: SimGraph) -> SimGraph:
+    """``g`` without the parameters' gradient buffers (Note [Parameters' gradients in
+    backward] rule 5: what a fraction budget plans with).
+
+    Example:
+        >>> g = SimGraph((SimValue(8, -1, 0),), (), (), param_grad_bytes=8)
+        >>> without_param_grads(g).param_grad_bytes
+        0
+    """
+    if not (g.param_grad_bytes or g.param_grad_steps):
+        return g
+    return dataclasses.replace(g, param_grad_bytes=0, param_grad_steps={}, param_grad_made={})
