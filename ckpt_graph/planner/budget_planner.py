@@ -186,7 +186,7 @@ class BudgetPlanner:
             self._plans.setdefault(run.ordinal, plan)
             self._last = plan.report if exact else scaled(plan, run, self._fraction)
             assert plan.graph is not None
-            self._seen.append(Seen(run.ordinal, plan.graph, inputs))
+            self._seen.append(Seen(run.ordinal, plan.graph, inputs, plan.graph.g.param_grad_bytes))
             return
         warm = [p for p in run.plans if len(p.signature) == n] if run.grown else []
         old = self._plans.get(run.ordinal)
@@ -204,7 +204,7 @@ class BudgetPlanner:
         graph = self._graphs.setdefault(graph.signature, graph)
         if warm and warm[0].graph is not None and graph.menu is None:
             graph.warm = warm[0]  # See Note [Warm start at a new size].
-        self._seen.append(Seen(run.ordinal, graph, inputs))
+        self._seen.append(Seen(run.ordinal, graph, inputs, graph.g.param_grad_bytes))
         self._dirty = True
 
     def graph(self, region: Region, run: Run) -> RegionGraph:

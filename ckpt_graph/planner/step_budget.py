@@ -146,7 +146,7 @@ def grads_after(seen: list[Seen]) -> list[int]:
     total = 0
     for k in range(len(seen) - 1, -1, -1):
         after[k] = total
-        total += seen[k].graph.g.param_grad_bytes
+        total += seen[k].grads
     return after
 
 
