@@ -119,6 +119,7 @@ PLANNER_LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         (
             "from_region",
             "permuted_gradients",
+            "param_grads",
             "workspaces",
             "cost_model",
             "region_graph",

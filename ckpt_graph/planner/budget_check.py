@@ -17,14 +17,16 @@
 #    on the calling thread.) A probe still running when the interpreter exits is stopped
 #    then. A step that left its plans (the heuristic decided part of it) is not compared.
 # 2. The difference between the measured peak and the prediction of what the budget bounds
-#    (the step's predicted peak; one region: its peak with gradient buffers) is memory
-#    outside the plan's model. If the measured peak is over a byte budget, that difference
+#    (the step's predicted peak; one region: its peak with gradient buffers, the
+#    parameters' gradients the step makes included: Note [Parameters' gradients in
+#    backward]) is memory outside the plan's model. If the measured peak is over a byte budget, that difference
 #    is taken off the budget the planner works with, the step is planned again once, and
 #    the next planned step is measured too.
 # 3. If that step is still over the budget, the policy warns once: by how much, what the
 #    plan predicted, what it cannot decide (values kept whatever the plan: tags, other
-#    policies, activation inputs; generator states) and what lies outside its model
-#    (parameters' gradients, memory outside the regions and the simulator's error), and
+#    policies, activation inputs; generator states), the parameters' gradients the step
+#    made (in the prediction since they are modelled), what lies outside its model (memory
+#    outside the regions and the simulator's error), and
 #    whether the plan is the lowest-peak one the planner found. The re-plan's own "no
 #    plan found" (a prediction with the correction) waits for the next step and is given
 #    only if that step cannot be measured: a measured step settles it (within the
@@ -102,7 +104,8 @@ class Measured:
     Attributes:
         measured_bytes: the step's measured peak (rule 1).
         predicted_bytes: what the plan predicted for what the budget bounds.
-        param_grad_bytes: gradients of the parameters the step's regions read.
+        param_grad_bytes: gradients of the parameters the step's regions read that the step
+            made (``.grad`` was ``None`` at the region's exit): in the prediction.
         kept_bytes: values kept whatever the plan (tags, other policies, activation inputs).
         rng_bytes: generator states random ops hold.
     """
@@ -159,7 +162,7 @@ class BudgetCheck:
                     key = t.untyped_storage().data_ptr()
                 except (RuntimeError, NotImplementedError):
                     continue
-                if key not in self._params:
+                if key not in self._params and t.grad is None:
                     self._params.add(key)
                     self._param_bytes += t.untyped_storage().nbytes()
 
@@ -279,17 +282,16 @@ class BudgetCheck:
             return
         self._warned = True
         self._checks = _CHECKS
-        rest = m.outside_bytes - m.param_grad_bytes
         warnings.warn(
             f"ckpt_graph: {name}: the step measured {m.measured_bytes / _MIB:.3f} MiB, "
             f"{(m.measured_bytes - budget) / _MIB:.3f} MiB over the budget of "
             f"{budget / _MIB:.3f} MiB after one re-plan. The plan predicted "
             f"{m.predicted_bytes / _MIB:.3f} MiB for its regions, of which "
             f"{m.kept_bytes / _MIB:.3f} MiB are values kept whatever the plan (tags, other "
-            f"policies, activation inputs) and {m.rng_bytes / _MIB:.3f} MiB generator "
-            f"states; {m.outside_bytes / _MIB:.3f} MiB are outside its model: parameters' "
-            f"gradients {m.param_grad_bytes / _MIB:.3f} MiB and {rest / _MIB:.3f} MiB of "
-            "memory outside the regions (and the simulator's error)"
+            f"policies, activation inputs), {m.rng_bytes / _MIB:.3f} MiB generator "
+            f"states and parameters' gradients {m.param_grad_bytes / _MIB:.3f} MiB made by "
+            f"the step; {m.outside_bytes / _MIB:.3f} MiB are outside its model: memory "
+            "outside the regions (and the simulator's error)"
             + (", and the plan is the lowest-peak one the planner found" if lowest else "")
             + " (warned once per policy)",
             stacklevel=4,

@@ -27,6 +27,7 @@ from ckpt_graph.planner.budget_report import BudgetReport
 from ckpt_graph.planner.cost_model import machine_flops_per_byte, recorded_costs
 from ckpt_graph.planner.local_search import Refinement
 from ckpt_graph.planner.menus import warm_kept
+from ckpt_graph.planner.param_grads import without_param_grads
 from ckpt_graph.planner.plans import make_plan
 from ckpt_graph.planner.records import (
     Option,
@@ -185,7 +186,7 @@ class BudgetPlanner:
             self._plans.setdefault(run.ordinal, plan)
             self._last = plan.report if exact else scaled(plan, run, self._fraction)
             assert plan.graph is not None
-            self._seen.append(Seen(run.ordinal, plan.graph, inputs))
+            self._seen.append(Seen(run.ordinal, plan.graph, inputs, plan.graph.g.param_grad_bytes))
             return
         warm = [p for p in run.plans if len(p.signature) == n] if run.grown else []
         old = self._plans.get(run.ordinal)
@@ -203,12 +204,15 @@ class BudgetPlanner:
         graph = self._graphs.setdefault(graph.signature, graph)
         if warm and warm[0].graph is not None and graph.menu is None:
             graph.warm = warm[0]  # See Note [Warm start at a new size].
-        self._seen.append(Seen(run.ordinal, graph, inputs))
+        self._seen.append(Seen(run.ordinal, graph, inputs, graph.g.param_grad_bytes))
         self._dirty = True
 
     def graph(self, region: Region, run: Run) -> RegionGraph:
         """The block's graph as the planner sees it, with the ops the plan may decide."""
-        return region_graph(region, run, self.op_costs(region, run))
+        graph = region_graph(region, run, self.op_costs(region, run))
+        if self._fraction:  # See Note [Parameters' gradients in backward] rule 5.
+            graph.g = without_param_grads(graph.g)
+        return graph
 
     def op_costs(self, region: Region, run: Run) -> dict[int, int]:
         """Recompute cost per op index of the block. See Note [Recompute cost model]."""

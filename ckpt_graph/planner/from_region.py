@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from ckpt_graph.engine import cache_bound, passes
 from ckpt_graph.engine.graph import INPLACE_ON_KEPT
 from ckpt_graph.engine.op_info import UNANNOTATED_ALIASES
+from ckpt_graph.planner.param_grads import param_grads
 from ckpt_graph.planner.permuted_gradients import permuted_gradient_copies
 from ckpt_graph.planner.records import NO_WORKSPACE, Workspace
 from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimValue
@@ -319,7 +320,11 @@ def from_region(
     values: list[SimValue] = []
     fixed: set[int] = set()
     floating: list[bool] = []
+    fresh: list[int] = []  # See Note [Parameters' gradients in backward].
+    after: dict[int, int] = {}
     for inp in region.inputs:
+        if _fresh_grad(inp, after):
+            fresh.append(len(values))
         vid[id(inp)] = len(values)
         # a copy taken before a write of the region: see Note [Backward liveness model] rule 3
         copied = inp.copied and inp.value is not None
@@ -398,6 +403,8 @@ def from_region(
     for k, (alive, made) in permuted_gradient_copies(region, values, ops, floating).items():
         grads[k] = grads.get(k, 0) + alive
         grads_in[k] = grads_in.get(k, 0) + alive - made
+    store = _gradient_storage(values, ops)
+    alive_p, made_p, end = param_grads(values, ops, floating, store, fresh, passthrough)
     return SimGraph(
         tuple(values),
         tuple(ops),
@@ -409,7 +416,26 @@ def from_region(
         tuple(rng_bytes),
         grads_in,
         cache_bound.BOUND_MIN_BYTES,
+        end + sum(after.values()),
+        alive_p,
+        made_p,
     )
+
+
+def _fresh_grad(h: Handle, after: dict[int, int]) -> bool:
+    """Whether the region input ``h`` is a parameter whose ``.grad`` is ``None``; a view of
+    such a parameter made outside the region adds the parameter's bytes to ``after`` (by
+    storage). See Note [Parameters' gradients in backward]."""
+    t = h.ref() if h.ref is not None else None
+    if t is None or not t.requires_grad:
+        return False
+    if not t._is_view():  # a view's grad_fn is not read: see BudgetCheck.note_region
+        return t.grad_fn is None and t.grad is None
+    base = t._base
+    if base is not None and base.requires_grad and base.grad_fn is None and base.grad is None:
+        storage = base.untyped_storage()
+        after[storage.data_ptr()] = storage.nbytes()
+    return False
 
 
 def _requires_grad(h: Handle, inferred: bool) -> bool:

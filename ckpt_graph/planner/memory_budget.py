@@ -15,8 +15,10 @@ the measured check's re-plan, the warnings).
 #    backward temporaries (``SimResult.peak_total_bytes``), and a fraction is of that peak
 #    without checkpointing (Note [Step budget across regions] rule 1). A step of several
 #    regions is planned jointly; a step of one region by the solver alone, against the
-#    same figure (its forward peak is not budgeted there). What that figure leaves out
-#    (parameters' gradients, memory outside the regions, the simulator's error) a byte
+#    same figure (its forward peak is not budgeted there), with the gradients the step
+#    makes for the regions' parameters (Note [Parameters' gradients in backward]). What
+#    that figure leaves out (memory outside the regions, the parameters read there and
+#    their gradients, the simulator's error) a byte
 #    budget learns from its first planned step, measured by default (Note [Measured
 #    budget check]); a fraction keeps its meaning. Before, one region's budget
 #    bounded its *activation* peak, a fraction of its saved bytes: the measured step
@@ -143,8 +145,8 @@ class MemoryBudget:
 
     Known limitations:
         The plan bounds the simulated step peak of the regions (activations, gradient
-        buffers, backward temporaries); memory outside them (the loss outside a region,
-        parameters' gradients) is learnt from a measured step (Note [Measured budget
+        buffers, backward temporaries, the gradients of their parameters); memory outside
+        them (the loss outside a region, gradients of parameters read there) is learnt from a measured step (Note [Measured budget
         check]), and without one it comes on top of a byte budget. The simulator's unpack
         order is autograd's usual one for a region (reverse forward order). A step of one
         region does not budget its forward peak.

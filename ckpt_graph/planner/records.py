@@ -171,11 +171,13 @@ class Plan:
 
 @dataclass(frozen=True)
 class Seen:
-    """A region of the current step whose block exited: its graph and activation inputs."""
+    """A region of the current step whose block exited: its graph and activation inputs,
+    and the parameters' gradients its backward makes (``SimGraph.param_grad_bytes``)."""
 
     ordinal: int
     graph: RegionGraph
     inputs: int
+    grads: int = 0
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,13 @@ class SimGraph:
         bound_min_bytes: an automatic bound (``cache_limit=None``) leaves a pass unbounded
             when its first caching realize caches less (rule 8; the engine's
             ``cache_bound.BOUND_MIN_BYTES``).
+        param_grad_bytes: parameters' gradient buffers the region's backward makes (their
+            ``.grad`` was ``None``), alive after it to the end of the training step (rule
+            10).
+        param_grad_steps: bytes of those buffers alive at each step of the region's
+            backward (rule 10), on top of ``step_grad_bytes``.
+        param_grad_made: bytes of them a step makes (a copy of a shared or transposed
+            gradient), not yet there while it unpacks.
 
     Example:
         >>> from ckpt_graph.planner.liveness import simulate
@@ -108,6 +115,9 @@ class SimGraph:
     rng_bytes: tuple[int, ...] = ()
     step_grad_in_bytes: Mapping[int, int] = field(default_factory=dict)
     bound_min_bytes: int = 0
+    param_grad_bytes: int = 0
+    param_grad_steps: Mapping[int, int] = field(default_factory=dict)
+    param_grad_made: Mapping[int, int] = field(default_factory=dict)
 
     @cached_property
     def pass_graph(self) -> PassGraph:

@@ -7,7 +7,9 @@
 #    hidden states a layer reads, counted once per storage in the first region of the step
 #    that reads them), stay alive from its forward until its backward ends. So during the
 #    backward of region k the step holds
-#        sum over j < k of (kept_j + inputs_j)  +  inputs_k  +  peak_k
+#        sum over j < k of (kept_j + inputs_j)  +  inputs_k  +  peak_k  +  sum over j > k of grads_j
+#    (grads_j: the parameters' gradient buffers region j's backward made, alive to the end
+#    of the step: ``SimGraph.param_grad_bytes``, Note [Parameters' gradients in backward])
 #    and while its forward runs
 #        sum over j < k of (kept_j + inputs_j)  +  inputs_k  +  forward_k
 #    where kept_j is the liveness simulator's ``kept_bytes`` of region j's plan, peak_k its
@@ -61,7 +63,7 @@ from ckpt_graph.planner.menus import everything, menu, warm_menu
 from ckpt_graph.planner.plans import make_plan
 from ckpt_graph.planner.records import Option, Plan, Seen, StepPlan
 
-__all__ = ["choose", "plain_peak", "plan_jointly", "step_budget_bytes", "step_peaks"]
+__all__ = ["choose", "grads_after", "plain_peak", "plan_jointly", "step_budget_bytes", "step_peaks"]
 
 _GRAIN = 1024
 
@@ -99,10 +101,10 @@ def plan_jointly(seen: list[Seen], budget: int) -> tuple[list[Plan], StepPlan]:
     shared: dict[tuple[int, int], Plan] = {}
     plans = []
     prefix = 0
-    for s, options, m in zip(seen, menus, choice, strict=True):
+    for s, options, m, grads in zip(seen, menus, choice, grads_after(seen), strict=True):
         plan = shared.get((id(s.graph), m))
         if plan is None:
-            share = budget + outside - prefix - s.inputs  # what this region may use
+            share = budget + outside - prefix - s.inputs - grads  # what this region may use
             plan = make_plan(s.graph, options[m], s.ordinal, share)
             shared[id(s.graph), m] = plan
         plans.append(plan)
@@ -129,12 +131,23 @@ def step_peaks(seen: list[Seen], options: list[Option]) -> tuple[int, int]:
     ``peak_total_bytes`` and with its ``peak_bytes``.
     """
     prefix = peak = activations = 0
-    for s, o in zip(seen, options, strict=True):
+    for s, o, after in zip(seen, options, grads_after(seen), strict=True):
         r = o.result
-        peak = max(peak, prefix + s.inputs + max(r.peak_total_bytes, o.forward))
+        peak = max(peak, prefix + s.inputs + max(r.peak_total_bytes + after, o.forward))
         activations = max(activations, prefix + s.inputs + max(r.peak_bytes, o.forward))
         prefix += s.inputs + r.kept_bytes
     return peak, activations
+
+
+def grads_after(seen: list[Seen]) -> list[int]:
+    """Per region, the parameters' gradient buffers that the regions after it made in their
+    backward, which ran before its own (rule 1 of Note [Step budget across regions])."""
+    after = [0] * len(seen)
+    total = 0
+    for k in range(len(seen) - 1, -1, -1):
+        after[k] = total
+        total += seen[k].grads
+    return after
 
 
 def plain_peak(seen: list[Seen]) -> int:
@@ -158,12 +171,12 @@ def choose(seen: list[Seen], menus: list[list[Option]], limit: int) -> list[int]
     grain = max(1, limit // _GRAIN)
     # state: rounded prefix -> (prefix, cost, choices so far)
     states: dict[int, tuple[int, int, tuple[int, ...]]] = {0: (0, 0, ())}
-    for s, entries in zip(seen, menus, strict=True):
+    for s, entries, grads in zip(seen, menus, grads_after(seen), strict=True):
         nxt: dict[int, tuple[int, int, tuple[int, ...]]] = {}
         for prefix, cost, picks in states.values():
             for m, entry in enumerate(entries):
                 r = entry.result
-                if prefix + s.inputs + max(r.peak_total_bytes, entry.forward) > limit:
+                if prefix + s.inputs + max(r.peak_total_bytes + grads, entry.forward) > limit:
                     continue
                 after = prefix + s.inputs + r.kept_bytes
                 key = math.ceil(after / grain)

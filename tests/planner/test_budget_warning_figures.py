@@ -35,10 +35,13 @@ _NO_PLAN = re.compile(
 def test_no_plan_warning_after_a_measured_replan_states_a_positive_excess() -> None:
     blocks, x = mlp_blocks(), torch.randn(256, 128)
     plain = measure(blocks_step, blocks, None, x).peak_bytes
-    # Above the lowest simulated peak of the region (about 0.28x of the measured step
-    # without checkpointing: 6 blocks, 128 -> 512 -> 128, batch 256), below it plus the
-    # parameters' gradients the first planned step measures outside the plan's model.
-    budget = int(0.375 * plain)
+    # Above the lowest simulated peak of the region (0.575x of the measured step without
+    # checkpointing: 6 blocks, 128 -> 512 -> 128, batch 256, with the parameters'
+    # gradients the step makes: Note [Parameters' gradients in backward]), below it plus
+    # the loss outside the region (130,568 bytes when written), which the first planned
+    # step measures outside the plan's model. (Before the gradients were modelled they
+    # were that memory, and the budget was 0.375x.)
+    budget = int(0.583 * plain)
     policy = memory_budget(budget, flops_per_byte=FPB, check=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -166,6 +166,7 @@ def run_region(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     steps: int = 2,
     cache_limit: int | str | None = None,
+    grads: str = "zeros",
 ) -> Run:
     """Run forward + backward ``steps`` times; measure the last step.
 
@@ -174,17 +175,21 @@ def run_region(
     blocks allocated before it). The peak is the bytes the region holds when backward
     starts (kept values and generator states) plus the highest level backward reaches
     above the level it started from. Parameter gradients are preallocated and accumulate
-    in place: not part of the peak. ``loss_fn`` (in the region) maps the output to the
+    in place: not part of the peak; with ``grads="none"`` they are ``None`` at each step's
+    start, so backward allocates them (Note [Backward liveness model] rule 10). ``loss_fn`` (in the region) maps the output to the
     loss; without it the loss is ``y.pow(2).sum()`` outside the region. The simulator's
     graph is built between forward and backward, while the region still holds every
     generator state it may replay (Note [Backward liveness model] rule 9); the workspaces
     of the earlier steps' ops are memoised, so measuring them there allocates nothing.
     """
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+        p.grad = torch.zeros_like(p) if grads == "zeros" else None
     box: dict[str, Any] = {}
 
     def step() -> None:
+        if grads == "none":
+            for p in model.parameters():
+                p.grad = None
         with cg.save_recompute_policy(policy, cache_limit=cache_limit) as region:
             y = model(*inputs)
             if loss_fn is not None:
