@@ -47,11 +47,12 @@ if TYPE_CHECKING:
     from ckpt_graph.engine.graph import OpNode
     from ckpt_graph.engine.region import Region
 
-__all__ = ["OpSignatures", "measure_workspaces"]
+__all__ = ["MEASURED", "OpSignatures", "measure_workspaces"]
 
 
-_MEMO: dict[tuple[Any, ...], Workspace] = {}
-_MEMO_LIMIT = 4096
+# Workspaces measured in this process, by op signature (rule 2); at most _LIMIT entries.
+MEASURED: dict[tuple[Any, ...], Workspace] = {}
+_LIMIT = 4096
 
 
 def measure_workspaces(region: Region) -> dict[int, Workspace]:
@@ -127,7 +128,7 @@ class OpSignatures:
             )
             key = _signature(node, wanted)
             self._keys[node.index] = key
-            if key not in _MEMO and key not in self.calls:
+            if key not in MEASURED and key not in self.calls:
                 self.calls[key] = _call(node, wanted)
 
     def known(self, partial: bool = False) -> dict[int, Workspace] | None:
@@ -135,7 +136,7 @@ class OpSignatures:
         if one is not measured yet (``partial``: those that are)."""
         out: dict[int, Workspace] = {}
         for index, key in self._keys.items():
-            ws = _MEMO.get(key)
+            ws = MEASURED.get(key)
             if ws is None:
                 if not partial:
                     return None
@@ -149,7 +150,7 @@ class OpSignatures:
         runs, or a region records in this thread: rule 5 of Note [Workspaces in budget
         planning]); what was measured before an interruption is kept."""
         for key, call in list(self.calls.items()):
-            ws = _MEMO.get(key)
+            ws = MEASURED.get(key)
             if ws is None:
                 if not _can_measure():
                     return None
@@ -157,9 +158,9 @@ class OpSignatures:
                     ws = _measure_one(call)
                 except CkptGraphError:  # another measure() or a profiler is running
                     return None
-                if len(_MEMO) >= _MEMO_LIMIT:
-                    _MEMO.clear()
-                _MEMO[key] = ws
+                if len(MEASURED) >= _LIMIT:
+                    MEASURED.clear()
+                MEASURED[key] = ws
             del self.calls[key]
         return self.known()
 

@@ -45,7 +45,7 @@ def _one_thread() -> Iterator[None]:
 @pytest.fixture
 def fresh_memo(monkeypatch: pytest.MonkeyPatch) -> None:
     """Workspaces not yet measured in this process (Note [Measuring op workspaces] rule 2)."""
-    monkeypatch.setattr(workspaces, "_MEMO", {})
+    monkeypatch.setattr(workspaces, "MEASURED", {})
 
 
 class Block(nn.Module):
@@ -227,14 +227,13 @@ def test_the_checked_step_is_measured_without_workspace_measurements(
     s = Setup()
     budget = s.torch_peak()
     policies: list[MemoryBudget] = []
-    when: list[tuple[bool, bool]] = []  # (a measurement ran, the check's step ran) per op
-    measure_one = workspaces._measure_one
+    when: list[tuple[bool, bool]] = []  # (a measurement ran, the check's step ran) per call
 
-    def watched(call: Any) -> Any:
+    def watched(*args: Any, **kwargs: Any) -> Any:
         when.append((busy(), any(p.planner.check.measuring for p in policies)))
-        return measure_one(call)
+        return measure(*args, **kwargs)
 
-    monkeypatch.setattr(workspaces, "_measure_one", watched)
+    monkeypatch.setattr(workspaces, "measure", watched)
     s.reset()
     policy = memory_budget(budget, flops_per_byte=FPB)
     policies.append(policy)
@@ -287,4 +286,4 @@ def test_fraction_budgets_measure_no_workspace(
     s = Setup()
     policy, _ = _planned(s, 0.5, check=check)
     assert _largest_workspace(policy) == 0
-    assert workspaces._MEMO == {}
+    assert workspaces.MEASURED == {}
