@@ -25,7 +25,14 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from ckpt_graph._errors import CkptGraphError, CkptGraphImportError, CkptGraphValueError
 
-__all__ = ["MemoryPoint", "MemoryReport", "StepProbe", "measure", "measure_with_result"]
+__all__ = [
+    "MemoryPoint",
+    "MemoryReport",
+    "StepProbe",
+    "busy",
+    "measure",
+    "measure_with_result",
+]
 
 T = TypeVar("T")
 Phase = Literal["forward", "backward", "recompute"]
@@ -199,6 +206,21 @@ def _phase_spans(timeline: tuple[MemoryPoint, ...]) -> Iterator[tuple[str, float
             yield phase, start, p.time_us
             phase, start = p.phase, p.time_us
     yield phase, start, timeline[-1].time_us
+
+
+def busy() -> bool:
+    """Whether a :func:`measure`, a :class:`StepProbe` or a profiler runs now, in any thread:
+    a :func:`measure` started now would raise, or abandon the probe.
+
+    Example:
+        >>> busy()
+        False
+    """
+    return (
+        _MEASURE_LOCK.locked()
+        or bool(torch.autograd.profiler._is_profiler_enabled)
+        or bool(torch._C._autograd._profiler_enabled())
+    )
 
 
 def measure(

@@ -81,6 +81,10 @@ class _PlanCache:
         while len(self._plans) > _CACHE:
             self._plans.popitem(last=False)
 
+    def drop(self, signature: tuple[Signature, ...]) -> None:
+        """Forget the plan of a graph, if kept."""
+        self._plans.pop(signature, None)
+
     def clear(self) -> None:
         self._plans.clear()
 
@@ -208,8 +212,10 @@ class BudgetPlanner:
         self._dirty = True
 
     def graph(self, region: Region, run: Run) -> RegionGraph:
-        """The block's graph as the planner sees it, with the ops the plan may decide."""
-        graph = region_graph(region, run, self.op_costs(region, run))
+        """The block's graph as the planner sees it, with the ops the plan may decide; a
+        byte budget's with its ops' measured workspaces (Note [Workspaces in budget
+        planning])."""
+        graph = region_graph(region, run, self.op_costs(region, run), not self._fraction)
         if self._fraction:  # See Note [Parameters' gradients in backward] rule 5.
             graph.g = without_param_grads(graph.g)
         return graph
@@ -229,7 +235,8 @@ class BudgetPlanner:
         if not self._seen:
             return False
         key = tuple(id(s.graph) for s in self._seen)
-        if not self._dirty and key == self._planned:
+        added = self._add_workspaces()
+        if not self._dirty and key == self._planned and not added:
             return False
         self._dirty = False
         self._planned = key
@@ -240,6 +247,21 @@ class BudgetPlanner:
         else:
             self._plan_jointly()
         return True
+
+    def _add_workspaces(self) -> bool:
+        """Measure the workspaces the step's graphs lack, unless the step running now is
+        measured; whether a graph got them. See Note [Workspaces in budget planning]."""
+        if self.check.measuring:
+            return False
+        added = False
+        for s in self._seen:
+            graph = s.graph
+            if graph.unmeasured is not None:
+                if not graph.unmeasured(graph):
+                    break  # not possible now: planned without them, tried at the next step
+                self._cache.drop(graph.signature)  # planned without them
+                added = True
+        return added
 
     def _plan_region(self, seen: Seen) -> None:
         """A step of one region: the solver alone (rule 4 of Note [Step budget across

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ckpt_graph.engine import cache_bound, passes
@@ -22,14 +23,22 @@ from ckpt_graph.engine.graph import INPLACE_ON_KEPT
 from ckpt_graph.engine.op_info import UNANNOTATED_ALIASES
 from ckpt_graph.planner.param_grads import param_grads
 from ckpt_graph.planner.permuted_gradients import permuted_gradient_copies
-from ckpt_graph.planner.records import NO_WORKSPACE, Workspace
+from ckpt_graph.planner.records import NO_WORKSPACE, UnmeasuredGraph, Workspace
 from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimValue
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import Handle
     from ckpt_graph.engine.region import Region
 
-__all__ = ["from_region", "grad_bytes", "kept_ops_of", "step_grads", "workspace_of"]
+__all__ = [
+    "from_region",
+    "grad_bytes",
+    "kept_ops_of",
+    "step_grads",
+    "unmeasured_graph",
+    "with_workspaces",
+    "workspace_of",
+]
 
 # Note [Unannotated aliases]
 # ``_unsafe_view`` (what ``matmul`` and ``linear`` on 3-d inputs return: ``bmm`` / ``mm``
@@ -298,6 +307,9 @@ def from_region(
 ) -> SimGraph:
     """Build the :class:`SimGraph` of a recorded region.
 
+    ``unmeasured_graph`` then ``with_workspaces``: the budget planner keeps the first and
+    adds the workspaces when they are measured (Note [Workspaces in budget planning]).
+
     Args:
         region: a region whose forward has run (values may be freed; metadata is used).
             Generator states are those the region still holds: a dead random op freed
@@ -314,7 +326,18 @@ def from_region(
         >>> g = from_region(region, workspaces=measure_workspaces(region))  # doctest: +SKIP
         >>> simulate(g, kept_ops_of(region)).peak_total_bytes  # doctest: +SKIP
     """
+    return with_workspaces(unmeasured_graph(region, costs, free_ops), workspaces)
 
+
+def unmeasured_graph(
+    region: Region, costs: Mapping[int, int] | None = None, free_ops: Iterable[int] = ()
+) -> UnmeasuredGraph:
+    """What :func:`from_region` reads of ``region``, before the ops' workspaces are known.
+
+    Arguments as for :func:`from_region`; :func:`with_workspaces` finishes the graph. Read
+    while the region is as its forward left it (generator states, tensors the program
+    holds): the result holds no framework object and can wait.
+    """
     free = set(free_ops)
     vid: dict[int, int] = {}
     values: list[SimValue] = []
@@ -374,7 +397,6 @@ def from_region(
             cost = costs[node.index]
         else:
             cost = sum(o.shape.numel() for o in node.outputs if o is not None)
-        ws = workspace_of(workspaces, node.index)
         pointwise = (
             info.is_pointwise
             and not info.writes
@@ -388,37 +410,59 @@ def from_region(
             rng = states.setdefault(id(state), len(states))
             if rng == len(rng_bytes):
                 rng_bytes.append(state.untyped_storage().nbytes())
-        ops.append(
-            SimOp(ins, tuple(outs), cost, info.name, ws.backward, ws.recompute, pointwise, rng)
-        )
+        ops.append(SimOp(ins, tuple(outs), cost, info.name, 0, 0, pointwise, rng))
         used.update(id(i) for i in node.inputs)
-    saved = _steps_of_saves(region, vid, ops, workspaces)
+    logged = tuple((n, vid.get(id(h))) for n, h in region.saved)
     read = {values[i].storage for op in ops for i in op.inputs}
-    for _, v in saved:  # saved but never read (batch norm's save_mean): no gradient
-        if v not in read and values[v].storage == v:
-            floating[v] = False
-    ws_items = workspaces.items() if workspaces is not None else ()
-    passthrough = [j for j, w in ws_items if w.input_grads == 0]
-    grads, grads_in = step_grads(values, ops, floating, passthrough)
-    for k, (alive, made) in permuted_gradient_copies(region, values, ops, floating).items():
-        grads[k] = grads.get(k, 0) + alive
-        grads_in[k] = grads_in.get(k, 0) + alive - made
-    store = _gradient_storage(values, ops)
-    alive_p, made_p, end = param_grads(values, ops, floating, store, fresh, passthrough)
-    return SimGraph(
+    for _, sv in logged:  # saved but never read (batch norm's save_mean): no gradient
+        if sv is not None and sv not in read and values[sv].storage == sv:
+            floating[sv] = False
+    g = SimGraph(
         tuple(values),
         tuple(ops),
-        tuple(saved),
+        (),
         frozenset(fixed),
-        grads,
+        {},
         passes.TRANSIENT_MIN_BYTES,
         region.cache_limit,
         tuple(rng_bytes),
-        grads_in,
+        {},
         cache_bound.BOUND_MIN_BYTES,
-        end + sum(after.values()),
-        alive_p,
-        made_p,
+    )
+    permuted = permuted_gradient_copies(region, values, ops, floating)
+    return UnmeasuredGraph(g, logged, tuple(floating), permuted, tuple(fresh), sum(after.values()))
+
+
+def with_workspaces(base: UnmeasuredGraph, workspaces: Mapping[int, Workspace] | None) -> SimGraph:
+    """The graph of ``base`` with the ops' ``workspaces`` (none when omitted): their
+    temporaries, the steps of the saves they tell apart, the gradients they pass on.
+
+    See Note [Workspaces in budget planning] (``region_graph.py``) and Note [Backward
+    liveness model] rules 1 and 4.
+    """
+    g = base.g
+    ops = list(g.ops)
+    if workspaces:
+        for j, ws in workspaces.items():
+            ops[j] = replace(ops[j], workspace=ws.backward, run_workspace=ws.recompute)
+    saved = _steps_of_saves(base.saves, ops, workspaces)
+    ws_items = workspaces.items() if workspaces is not None else ()
+    passthrough = [j for j, w in ws_items if w.input_grads == 0]
+    grads, grads_in = step_grads(g.values, ops, base.floating, passthrough)
+    for k, (alive, made) in base.permuted.items():
+        grads[k] = grads.get(k, 0) + alive
+        grads_in[k] = grads_in.get(k, 0) + alive - made
+    store = _gradient_storage(g.values, ops)
+    alive_p, made_p, end = param_grads(g.values, ops, base.floating, store, base.fresh, passthrough)
+    return replace(
+        g,
+        ops=tuple(ops),
+        saved=tuple(saved),
+        step_grad_bytes=grads,
+        step_grad_in_bytes=grads_in,
+        param_grad_bytes=end + base.after_bytes,
+        param_grad_steps=alive_p,
+        param_grad_made=made_p,
     )
 
 
@@ -455,14 +499,13 @@ def _differentiable(op: object, output_index: int) -> bool:
 
 
 def _steps_of_saves(
-    region: Region,
-    vid: Mapping[int, int],
+    logged: Sequence[tuple[int, int | None]],
     ops: Sequence[SimOp],
     workspaces: Mapping[int, Workspace] | None,
 ) -> list[tuple[int, int]]:
-    """``(step, value id)`` per saved tensor of the region. See Note [Backward liveness model] rule 1."""
+    """``(step, value id)`` per saved tensor of the region, from ``(ops recorded before
+    the save, value id)`` as logged. See Note [Backward liveness model] rule 1."""
     n_ops = len(ops)
-    logged = [(n, vid.get(id(h))) for n, h in region.saved]
     times = Counter(logged)
     seen: Counter[tuple[int, int | None]] = Counter()
     taken = [0] * (n_ops + 1)  # output saves already given to each op

@@ -4,13 +4,15 @@ Plain data the planner's modules pass to each other, defined below every solver 
 of them can name them without importing another's logic: what a solver returns
 (``Solution``), what a plan reports (``KeptTensor``, ``PlanReport``), what a plan is across
 regions and steps (``Signature``, ``Option``, ``RegionGraph``, ``Plan``, ``Seen``,
-``StepPlan``), the policy's state of one open block (``Run``) and an op's measured
-temporaries (``Workspace``). The simulator's own graph and result types are in
+``StepPlan``), the policy's state of one open block (``Run``), an op's measured
+temporaries (``Workspace``) and a region's graph waiting for them (``UnmeasuredGraph``).
+The simulator's own graph and result types are in
 ``sim_graph``. See Note [Memory budget policy] and Note [Step budget across regions].
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -28,6 +30,7 @@ __all__ = [
     "Signature",
     "Solution",
     "StepPlan",
+    "UnmeasuredGraph",
     "Workspace",
     "numel",
 ]
@@ -150,6 +153,10 @@ class RegionGraph:
     # signature position of each view op the policy decides, -1 for a detach (Note [Kept
     # views], rule 6 of Note [Memory budget policy])
     views: dict[int, int] = field(default_factory=dict)
+    # set while ``g`` lacks its ops' measured workspaces: called with the graph, measures
+    # them and rebuilds ``g`` (and what follows from it) in place; returns whether it could
+    # (Note [Workspaces in budget planning])
+    unmeasured: Callable[[RegionGraph], bool] | None = None
 
 
 @dataclass(eq=False)  # by identity: regions of identical layers share one
@@ -278,3 +285,29 @@ class Workspace(NamedTuple):
 
 # An op with no temporaries, or one not measured.
 NO_WORKSPACE = Workspace(0, 0)
+
+
+@dataclass(frozen=True)
+class UnmeasuredGraph:
+    """A region's simulator graph before its ops' workspaces are known, and what adding
+    them changes (``from_region.with_workspaces``; Note [Workspaces in budget planning]).
+
+    Attributes:
+        g: the graph without saves' steps, gradients or workspaces.
+        saves: per saved tensor as the region logged it, ``(op nodes recorded before the
+            save, value id)``; ``None`` for a value outside the graph.
+        floating: per value, whether autograd gives it a gradient.
+        permuted: per step, bytes of permuted gradient copies alive at its formula and
+            those its formula makes (Note [Permuted gradients]).
+        fresh: region inputs that are parameters whose ``.grad`` is ``None`` (Note
+            [Parameters' gradients in backward]).
+        after_bytes: bytes of such parameters' gradients made after the region's backward
+            (parameters read through a view made outside the region).
+    """
+
+    g: SimGraph
+    saves: tuple[tuple[int, int | None], ...]
+    floating: tuple[bool, ...]
+    permuted: dict[int, tuple[int, int]]
+    fresh: tuple[int, ...] = ()
+    after_bytes: int = 0

@@ -300,8 +300,9 @@ def test_a_warm_start_is_refined_at_later_steps_until_its_search_ends(
         step(x, fresh)
     fresh_report = fresh.report()
     assert fresh_report is not None and fresh_report.method != "warm start"
-    # measured: 1.7% above (equal when the budget bounded activations only)
-    assert costs[-1] <= 1.03 * fresh_report.predicted_recompute_flops
+    # measured: 3.4% above since a byte budget's graph has its ops' measured workspaces
+    # (1.7% without them; equal when the budget bounded activations only)
+    assert costs[-1] <= 1.04 * fresh_report.predicted_recompute_flops
 
 
 @pytest.fixture
