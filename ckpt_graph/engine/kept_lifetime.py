@@ -18,24 +18,25 @@
 #      recomputed value gets its first saved tensor and loses its last one). A recomputed
 #      op node whose outputs nothing saves (MobileNetV2's ReLU6 and residual adds under a
 #      plan that keeps every saved value) is never counted: its kept inputs go once the
-#      program dropped them and the node's outputs (rule 2). Before, any such op node held
-#      its kept inputs to the region's exit (MobileNetV2 under ``memory_budget(1.0)``:
-#      1.01x no checkpointing's peak, recomputing nothing).
+#      program dropped them and the values recomputed from them (rule 2). Before, any such
+#      op node held its kept inputs to the region's exit (MobileNetV2 under
+#      ``memory_budget(1.0)``: 1.01x no checkpointing's peak, recomputing nothing).
 #   2. New readers come only through the forward tensor: an op that takes it, or a save of
 #      it. Once the program dropped that tensor (its last Python reference and every view
 #      of it, which refers to it as ``_base``), nothing new reads ``h`` directly. A
 #      recomputed value computed from ``h`` may still be saved later: the program holds
-#      ``y = r + h`` after dropping ``h`` and a LayerNorm saves ``y`` next (a residual
-#      stream under ``save_matmuls``). So ``h`` also stays while the program holds the
-#      output of a recomputed op node that reads it (``_live_reader_outputs``, scanned
-#      when its tensor goes; weak references to those outputs look again when they go),
-#      not longer: MobileNetV2's residual adds, which nothing saves, let the kept block
-#      outputs go when the next block drops the sum. Further down such a chain (``y``
-#      dropped, ``z = y * 2`` held and saved later), ``need`` walks the recomputed values
-#      that saving ``z`` newly needs, and if one of the kept values they read was freed
-#      or overwritten in place without a copy (rule 4; ``intact``), it changes nothing and
-#      the pack hook keeps the saved value itself, the tensor autograd saves (reason
-#      ``SAVED_AFTER_INPUTS_FREED``): no more than eager holds for that saved tensor.
+#      ``y = r + view(h)`` after dropping ``h`` and a LayerNorm saves ``y`` next (a
+#      residual stream under ``save_matmuls``). So ``h`` also stays while the program holds
+#      a tensor of a value recomputed from it, through recomputed values only
+#      (``_live_descendant``, scanned when its tensor goes; a weak reference to that tensor
+#      looks again when it goes), and no longer: MobileNetV2's residual sums, which nothing
+#      saves, let the kept block outputs go when the program drops the stage's last sum.
+#      Freeing it earlier made the engine keep ``y`` instead of the plan's ``h`` (the plan
+#      and its simulation then disagreed). A kept value overwritten in place without a copy
+#      (rule 4) can still be read that way: ``need`` walks the recomputed values that a
+#      save newly needs, and if one of the kept values they read is not ``intact``, it
+#      changes nothing and the pack hook keeps the saved value itself, the tensor autograd
+#      saves (reason ``SAVED_AFTER_INPUTS_FREED``): no more than eager holds for it.
 #      ``rebase`` (Note [Mutation and views], rule 3) views the last write to a storage
 #      without its tensor: that value stays while a tensor written there is alive
 #      (``_rebase_may_read``; its memory is that tensor's anyway), and ``rebase`` takes a
@@ -65,15 +66,14 @@
 #      a kept value goes after the last saved tensor whose recomputation reads it).
 # So a region holds, during its forward, what eager holds (the program's tensors and the
 # saved ones), plus the aliases' metadata, the kept values saved tensors need through
-# recomputed ones, and kept values whose recomputed readers' outputs the program holds; in
-# backward it frees kept values as autograd frees saved tensors.
+# recomputed ones, and those the program's tensors were recomputed from; in backward it
+# frees kept values as autograd frees saved tensors.
 # ``kept_bytes`` still counts what the policies decided to keep (budgets compare plans by
 # it), not what is held now; a value kept by rule 2 adds its bytes.
-# Known limitations: a kept value whose recomputed reader's output the program holds stays
-# until that output goes, also when nothing saves it (eager frees the value at once). A
-# value kept by rule 2's pack hook differs from the plan (the plan kept an input and
-# recomputed the value; the value is what eager saves), and a plan made from that step
-# sees it as the engine's. Values kept in host memory (offload on CUDA) are not watched:
+# Known limitations: a kept value stays while the program holds a value recomputed from
+# it, also when nothing will save that value (eager frees the kept value at once): a chain
+# of residual sums that nothing saves, held to the end of the forward, holds every kept
+# value it was computed from. Values kept in host memory (offload on CUDA) are not watched:
 # their copies are freed at the exit.
 """
 
@@ -108,15 +108,15 @@ class _KeptRef(weakref.ref):  # type: ignore[type-arg]
     region's write histories (``RecordingState.storages``) and op nodes.
 
     Only the region's recording state refers to it (``RecordingState.watched``), so it adds
-    no reference cycle and stops watching when the region closes. ``readers`` holds the
-    references to the outputs of the value's recomputed readers that are still alive, when
-    its tensor went first (rule 2).
+    no reference cycle and stops watching when the region closes. ``later`` holds the
+    reference to a tensor of a value recomputed from the kept one, still alive when the
+    kept value's tensor went (rule 2), and so on.
     """
 
-    __slots__ = ("handle", "nodes", "readers", "storages")
+    __slots__ = ("handle", "later", "nodes", "storages")
     handle: Handle
+    later: _KeptRef
     nodes: list[OpNode]
-    readers: list[weakref.ref[torch.Tensor]]
     storages: dict[int, StorageHistory]
 
 
@@ -231,60 +231,66 @@ def watch(region: Region, h: Handle, t: torch.Tensor) -> None:
 def _forward_tensor_dropped(r: weakref.ref[torch.Tensor]) -> None:
     h: Handle = r.handle  # type: ignore[attr-defined]
     if not may_read(h) and h.offload_device is None and not _rebase_may_read(r.storages, h):  # type: ignore[attr-defined]
-        readers = _reader_refs(h, r.nodes, r.storages)  # type: ignore[attr-defined]
-        if readers:
-            r.readers = readers  # type: ignore[attr-defined]
-        else:
+        later = _watch_descendant(h, r.nodes, r.storages)  # type: ignore[attr-defined]
+        if later is None:
             h.value = None
+        else:
+            r.later = later  # type: ignore[attr-defined]
 
 
-def _reader_refs(
+def _watch_descendant(
     h: Handle, nodes: list[OpNode], storages: dict[int, StorageHistory]
-) -> list[weakref.ref[torch.Tensor]]:
-    """Weak references that look at ``h`` again when they go, one per output of a recomputed
-    op node reading ``h`` whose tensor the program still holds (it may be saved next). See
-    Note [Kept values live no longer than in eager], rule 2."""
-    refs: list[weakref.ref[torch.Tensor]] = []
-    if not h.recompute_input:
-        return refs
-    for t in _live_reader_outputs(h, nodes):
-        r = _KeptRef(t, _reader_dropped)
-        r.handle = h
-        r.storages = storages
-        r.nodes = nodes
-        refs.append(r)
-    return refs
+) -> _KeptRef | None:
+    """A weak reference that looks at ``h`` again when it goes, to a tensor the program
+    holds of a value recomputed from ``h``, if there is one. See Note [Kept values live no
+    longer than in eager], rule 2."""
+    t = _live_descendant(h, nodes)
+    if t is None:
+        return None
+    r = _KeptRef(t, _descendant_dropped)
+    r.handle = h
+    r.storages = storages
+    r.nodes = nodes
+    return r
 
 
-def _live_reader_outputs(h: Handle, nodes: list[OpNode]) -> list[torch.Tensor]:
-    """The tensors the program still holds of recomputed outputs of op nodes reading ``h``.
+def _live_descendant(h: Handle, nodes: list[OpNode]) -> torch.Tensor | None:
+    """A tensor the program still holds of a value recomputed from ``h`` (through recomputed
+    values only), or ``None``.
 
-    Op nodes recorded after ``h``'s producer, scanned only when its tensor goes: a kept
-    value whose tensor lives long (a skip connection) costs one scan of the nodes since.
+    Op nodes recorded after ``h``'s producer, scanned when its tensor goes and again when
+    that descendant goes: a kept value whose tensor lives long (a skip connection) costs a
+    scan of the nodes since.
     """
-    found: list[torch.Tensor] = []
+    if not h.recompute_input:
+        return None
+    sources = {h.number}
     for node in itertools.islice(nodes, h.node_index + 1, None):
-        if h not in node.inputs:
+        for i in node.inputs:
+            if i.number in sources:
+                break
+        else:
             continue
         for o in node.outputs:
-            if o is not None and o.reason is None and o.ref is not None:
-                t = o.ref()
+            if o is not None and o.reason is None:
+                t = o.ref() if o.ref is not None else None
                 if t is not None:
-                    found.append(t)
-    return found
+                    return t
+                sources.add(o.number)
+    return None
 
 
-def _reader_dropped(r: weakref.ref[torch.Tensor]) -> None:
-    """The program dropped an output of a recomputed reader of a kept value whose tensor
+def _descendant_dropped(r: weakref.ref[torch.Tensor]) -> None:
+    """The program dropped a tensor of a value recomputed from a kept value whose own tensor
     went before: free the value if nothing else may read it now."""
     h: Handle = r.handle  # type: ignore[attr-defined]
-    if (
-        h.value is not None
-        and not may_read(h)
-        and not _rebase_may_read(r.storages, h)  # type: ignore[attr-defined]
-        and not _live_reader_outputs(h, r.nodes)  # type: ignore[attr-defined]
-    ):
+    if h.value is None or may_read(h) or _rebase_may_read(r.storages, h):  # type: ignore[attr-defined]
+        return
+    later = _watch_descendant(h, r.nodes, r.storages)  # type: ignore[attr-defined]
+    if later is None:
         h.value = None
+    else:
+        r.later = later  # type: ignore[attr-defined]
 
 
 def _rebase_may_read(storages: dict[int, StorageHistory], h: Handle) -> bool:
@@ -319,11 +325,11 @@ def drop_if_unread(region: Region, h: Handle) -> None:
         recording = region.recording
         if _rebase_may_read(recording.storages, h):
             return
-        readers = _reader_refs(h, region.nodes, recording.storages)
-        if readers:
-            recording.watched.extend(readers)
-        else:
+        later = _watch_descendant(h, region.nodes, recording.storages)
+        if later is None:
             h.value = None
+        else:
+            recording.watched.append(later)
 
 
 def freed_inputs(region: Region, node: OpNode) -> list[Handle] | None:

@@ -41,11 +41,13 @@ def _one_thread() -> Iterator[None]:
 
 class InvertedResidual(nn.Module):
     """MobileNetV2's block in plain PyTorch: 1x1 conv, BatchNorm, ReLU6, 3x3 conv on a padded
-    input, BatchNorm, residual add. Every conv reads a padded copy (transformers' TF-style
-    padding), so autograd never saves the ReLU6 output nor the sum."""
+    input, BatchNorm, and a residual add when ``residual`` (the first block of a stage has
+    none). Every conv reads a padded copy (transformers' TF-style padding), so autograd
+    never saves the ReLU6 output nor the sum."""
 
-    def __init__(self, channels: int) -> None:
+    def __init__(self, channels: int, residual: bool) -> None:
         super().__init__()
+        self.residual = residual
         self.expand = nn.Conv2d(channels, 2 * channels, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(2 * channels)
         self.reduce = nn.Conv2d(2 * channels, channels, 3, bias=False)
@@ -53,7 +55,26 @@ class InvertedResidual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.relu6(self.bn1(self.expand(F.pad(x, (0, 0, 0, 0)))))
-        return x + self.bn2(self.reduce(F.pad(y, (1, 1, 1, 1))))
+        y = self.bn2(self.reduce(F.pad(y, (1, 1, 1, 1))))
+        return x + y if self.residual else y
+
+
+class Head(nn.Module):
+    """A 1x1 conv on a padded copy, then BatchNorm."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 1)
+        self.bn = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(F.pad(x, (0, 0, 0, 0))))
+
+
+def mobilenet_like(channels: int) -> nn.Module:
+    """Three stages of three blocks (residual after the first), and a 1x1 conv head."""
+    blocks = [InvertedResidual(channels, k % 3 != 0) for k in range(9)]
+    return nn.Sequential(*blocks, Head(channels))
 
 
 def keep_what_backward_reads(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -66,7 +87,7 @@ def keep_what_backward_reads(ctx: Any, out: Any, op: Any, *args: Any, **kwargs: 
 
 def test_kept_inputs_of_unsaved_recomputed_ops_peak_at_no_checkpointing() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(*(InvertedResidual(16) for _ in range(6)))
+    model = mobilenet_like(16)
     x = torch.randn(8, 16, 24, 24)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     regions: list[cg.Region] = []
@@ -91,10 +112,11 @@ def test_kept_inputs_of_unsaved_recomputed_ops_peak_at_no_checkpointing() -> Non
         torch.testing.assert_close(p.grad, q, rtol=0, atol=0)
     region = regions[-1]
     recomputed = [n for n in region.nodes if n.op in (aten.hardtanh.default, aten.add.Tensor)]
-    assert len(recomputed) == 12 and all(o.reason is None for n in recomputed for o in n.outputs)
+    assert len(recomputed) == 15 and all(o.reason is None for n in recomputed for o in n.outputs)
     assert sum(n.realized for n in region.nodes) == 0  # backward recomputed nothing
     # When a kept value a recomputed op node read was held to the region's exit (the last
-    # BatchNorm output of each block, 294,912 bytes), this peaked 782,200 bytes higher.
+    # BatchNorm output of each residual block, 294,912 bytes), this peaked 1,665,720 bytes
+    # higher (measured 2026-11-28).
     assert peak <= plain, (peak, plain)
 
 
@@ -151,7 +173,7 @@ def test_a_kept_value_a_later_saved_sum_needs_stays(retain: bool) -> None:
     assert add.realized == (2 if retain else 1)
 
 
-def test_a_value_saved_after_the_kept_values_it_reads_were_freed_is_kept() -> None:
+def test_a_kept_value_stays_while_a_value_recomputed_from_it_is_held() -> None:
     x = leaf(16)
 
     def fn(t: torch.Tensor) -> torch.Tensor:
@@ -177,16 +199,16 @@ def test_a_value_saved_after_the_kept_values_it_reads_were_freed_is_kept() -> No
         b = a + 1  # recomputed
         ha = region.lookup(a)
         del a  # the program still holds b
-        assert ha is not None and ha.value is not None
         c = b + 1  # recomputed
-        del b  # nothing saved b: a goes
-        assert ha.value is None
-        y = c.sin()  # saves c, whose recomputation would read a: c itself is kept
+        del b  # nothing saved b, but c, computed from a through b, is held
+        assert ha is not None and ha.value is not None and ha.recompute_readers == 0
+        y = c.sin()  # saves c: its recomputation reads a
         hc = region.lookup(c)
-    assert hc is not None and hc.reason is graph.SAVED_AFTER_INPUTS_FREED
-    assert hc.value is not None
+        assert ha.recompute_readers == 1
+    assert hc is not None and hc.reason is None
+    del c  # else backward reads the program's tensor (Note [Live forward tensors])
     y.sum().backward()
-    assert all(n.realized == 0 for n in region.nodes if n.op is aten.add.Tensor)
+    assert any(n.realized for n in region.nodes if n.op is aten.add.Tensor)  # c recomputed
     want = _eager_grads(lambda t: (t.exp() * 2 + 1 + 1).sin(), x)[0]
     torch.testing.assert_close(x.grad, want, rtol=0, atol=0)
 
