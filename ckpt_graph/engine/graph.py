@@ -57,6 +57,9 @@ class KeptReason(StrEnum):
     CLONED_BEFORE_MUTATION = "engine: copy of a kept value taken before an in-place op"
     RANDOM_WITHOUT_REPLAY = "engine: random op on a device without generator replay"
     INPUTS_FREED = "engine: a tag asked to recompute it after its kept inputs were freed"
+    SAVED_AFTER_INPUTS_FREED = (
+        "engine: saved after the kept values its recomputation reads were freed"
+    )
 
     @property
     def by_engine(self) -> bool:
@@ -74,6 +77,7 @@ SILENT_WRITE = KeptReason.SILENT_WRITE
 CLONED_BEFORE_MUTATION = KeptReason.CLONED_BEFORE_MUTATION
 RANDOM_WITHOUT_REPLAY = KeptReason.RANDOM_WITHOUT_REPLAY
 INPUTS_FREED = KeptReason.INPUTS_FREED
+SAVED_AFTER_INPUTS_FREED = KeptReason.SAVED_AFTER_INPUTS_FREED
 
 
 def arg_at(args: Sequence[Any], kwargs: dict[str, Any], where: int | str) -> Any:
@@ -134,9 +138,13 @@ class Handle:
             write changed the view's elements (see Note [Mutation and views], rule 6).
         forward_uses: op nodes and saved tensors of the forward that consumed the value,
             counted while recording and never decremented.
-        recompute_input: an op node with a recomputed output takes the value as input, so
-            recomputing may read it; with ``saved_refs`` it says whether the region may
-            read a kept value again (see Note [Kept values live no longer than in eager]).
+        recompute_input: an op node with a recomputed output took the value as input
+            (set once, never cleared; before a silent write, see Note [Silent writes]).
+        recompute_readers: while the region records, the op nodes with a recomputed
+            output that a saved tensor needs (directly or through other recomputed values)
+            and that take the value as input, one per input; with ``saved_refs`` it says
+            whether the region may read a kept value again (see Note [Kept values live no
+            longer than in eager]).
         saved_refs: saved tensors alive now (``hooks.Packed`` objects) that refer to the
             value; each is freed when autograd frees it.
         cache: per backward pass, the recomputed value while it has a use left (see Note
@@ -165,6 +173,7 @@ class Handle:
         "output_index",
         "reason",
         "recompute_input",
+        "recompute_readers",
         "ref",
         "saved_refs",
         "shape",
@@ -213,6 +222,7 @@ class Handle:
         self.superseded = False
         self.forward_uses = 0
         self.recompute_input = False
+        self.recompute_readers = 0
         self.saved_refs = 0
         self.cache: torch.Tensor | None = None
         self.live = False

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from ckpt_graph.engine.kept_lifetime import drop_if_unread
+from ckpt_graph.engine import graph
+from ckpt_graph.engine.holding import hold
+from ckpt_graph.engine.kept_lifetime import drop_if_unread, need, unneed
 from ckpt_graph.engine.realize import unpack_value
 
 if TYPE_CHECKING:
@@ -60,7 +62,11 @@ class Packed(_PackedBase):
             return
         handle.saved_refs -= 1
         if handle.saved_refs == 0 and region.is_open:  # a graph dropped during the forward
-            drop_if_unread(region, handle)  # See Note [Kept values live no longer than in eager].
+            # See Note [Kept values live no longer than in eager], rule 3.
+            if handle.reason is not None:
+                drop_if_unread(region, handle)
+            elif handle.recompute_readers == 0:
+                unneed(region, handle)
         region.pack_released(handle)
 
     def __repr__(self) -> str:
@@ -85,6 +91,15 @@ def pack_hook_for(region: Region) -> Callable[[torch.Tensor], Any]:
             region.settle()
         h = handle_of(t)
         h.forward_uses += 1
+        # The first need of a recomputed value. See Note [Kept values live no longer than
+        # in eager], rule 2.
+        if (
+            h.reason is None
+            and h.saved_refs == 0
+            and h.recompute_readers == 0
+            and not need(region, h)
+        ):
+            hold(region, h, t, graph.SAVED_AFTER_INPUTS_FREED)
         if h.device is None:
             stride = t.stride()
             h.stride = strides.setdefault(stride, stride)  # shared, as sizes are

@@ -9,15 +9,36 @@
 # value (1.30x on transformers' ResNet, where each block holds its norms' outputs through
 # the rest of the forward). So a kept value never outlives what reads it:
 #   1. The region reads a kept value ``h`` again only through a saved tensor of it
-#      (``Handle.saved_refs``) or by recomputing an op node that takes it as input and has a
-#      recomputed output (``Handle.recompute_input``, set when such an op node is decided:
-#      ``mark_recompute_inputs``; conservatively for the whole node, and whether or not the
-#      recomputed output will ever be needed).
+#      (``Handle.saved_refs``) or by recomputing an op node that takes it as input for a
+#      saved tensor that needs a recomputed output of that node, directly or through other
+#      recomputed values. While the region records, ``Handle.recompute_readers`` counts
+#      such op nodes among ``h``'s readers: an op node with a recomputed output counts in
+#      its inputs from the moment one of those outputs is *needed* (it has a saved tensor,
+#      or a needed op node reads it) until none is (``need`` and ``unneed``, called when a
+#      recomputed value gets its first saved tensor and loses its last one). A recomputed
+#      op node whose outputs nothing saves (MobileNetV2's ReLU6 and residual adds under a
+#      plan that keeps every saved value) is never counted: its kept inputs go once the
+#      program dropped them and the values recomputed from them (rule 2). Before, any such
+#      op node held its kept inputs to the region's exit (MobileNetV2 under
+#      ``memory_budget(1.0)``: 1.01x no checkpointing's peak, recomputing nothing).
 #   2. New readers come only through the forward tensor: an op that takes it, or a save of
 #      it. Once the program dropped that tensor (its last Python reference and every view
-#      of it, which refers to it as ``_base``), nothing new reads ``h``, with two
-#      exceptions. ``rebase`` (Note [Mutation and views], rule 3) views the last write to a
-#      storage without its tensor: that value stays while a tensor written there is alive
+#      of it, which refers to it as ``_base``), nothing new reads ``h`` directly. A
+#      recomputed value computed from ``h`` may still be saved later: the program holds
+#      ``y = r + view(h)`` after dropping ``h`` and a LayerNorm saves ``y`` next (a
+#      residual stream under ``save_matmuls``). So ``h`` also stays while the program holds
+#      a tensor of a value recomputed from it, through recomputed values only
+#      (``_live_descendant``, scanned when its tensor goes; a weak reference to that tensor
+#      looks again when it goes), and no longer: MobileNetV2's residual sums, which nothing
+#      saves, let the kept block outputs go when the program drops the stage's last sum.
+#      Freeing it earlier made the engine keep ``y`` instead of the plan's ``h`` (the plan
+#      and its simulation then disagreed). A kept value overwritten in place without a copy
+#      (rule 4) can still be read that way: ``need`` walks the recomputed values that a
+#      save newly needs, and if one of the kept values they read is not ``intact``, it
+#      changes nothing and the pack hook keeps the saved value itself, the tensor autograd
+#      saves (reason ``SAVED_AFTER_INPUTS_FREED``): no more than eager holds for it.
+#      ``rebase`` (Note [Mutation and views], rule 3) views the last write to a storage
+#      without its tensor: that value stays while a tensor written there is alive
 #      (``_rebase_may_read``; its memory is that tensor's anyway), and ``rebase`` takes a
 #      snapshot of the live alias instead if it was freed. A tag that asks to recompute a
 #      value whose recomputation reads freed kept values makes those recomputed too
@@ -25,29 +46,40 @@
 #      the tagged value stays kept (reason ``INPUTS_FREED``).
 #   3. So while the region records, each kept op output is *watched*: a weak reference to
 #      its forward tensor whose callback frees the value (``Handle.value = None``, the
-#      reason stays, as in Note [Releasing kept values]) when rule 1 finds no reader. A
+#      reason stays, as in Note [Releasing kept values]) when rules 1 and 2 find no reader. A
 #      saved tensor freed during the forward (a graph dropped inside the region) frees its
-#      value likewise once the tensor is gone and nothing else reads it (``Packed.__del__``).
+#      value likewise once the tensor is gone and nothing else reads it (``Packed.__del__``
+#      through ``drop_if_unread``), and the last saved tensor of a recomputed value lets go
+#      of the op nodes only it needed (``unneed``), which frees the kept values they read
+#      whose tensors are gone.
 #   4. Before an in-place op writes over a kept value, the same test decides whether the
 #      old value needs a copy (Note [Mutation and views], rule 4): a value that no saved
-#      tensor and no recomputation reads is overwritten as is, even when kept op outputs
-#      were computed from it (those ops never run again). A silent write (BatchNorm's
-#      running statistics, Note [Silent writes]) needs a copy only for recomputations:
-#      saved tensors of the argument read the new value, as eager's do.
+#      tensor and no needed recomputation reads is overwritten as is, even when kept op
+#      outputs were computed from it (those ops never run again), or recomputed ones no
+#      saved tensor needs yet (rule 2 keeps them if one is saved later). A silent write
+#      (BatchNorm's running statistics, Note [Silent writes]) needs a copy for every
+#      recomputed op node that read the value before (``Handle.recompute_input``, which is
+#      never cleared): nothing marks such a value as changed, so rule 2 could not see it.
 #   5. At the region's exit the watch ends; ``count_live_uses`` (Note [Releasing kept
 #      values]) frees the kept values that nothing reads from then on, and autograd's
-#      releases free the rest.
-# So a region that keeps every value holds, during its forward, what eager holds (the
-# program's tensors and the saved ones), plus the aliases' metadata; in backward it frees
-# kept values as autograd frees saved tensors. ``kept_bytes`` still counts what the policies
-# decided to keep (budgets compare plans by it), not what is held now.
-# Known limitations: rule 1 is conservative for values read by recomputed op nodes whose
-# outputs nothing will need; those stay until the region's exit, as before. Values kept in
-# host memory (offload on CUDA) are not watched: their copies are freed at the exit.
+#      releases free the rest (``pass_graph.free_use`` follows the same chains as rule 1:
+#      a kept value goes after the last saved tensor whose recomputation reads it).
+# So a region holds, during its forward, what eager holds (the program's tensors and the
+# saved ones), plus the aliases' metadata, the kept values saved tensors need through
+# recomputed ones, and those the program's tensors were recomputed from; in backward it
+# frees kept values as autograd frees saved tensors.
+# ``kept_bytes`` still counts what the policies decided to keep (budgets compare plans by
+# it), not what is held now; a value kept by rule 2 adds its bytes.
+# Known limitations: a kept value stays while the program holds a value recomputed from
+# it, also when nothing will save that value (eager frees the kept value at once): a chain
+# of residual sums that nothing saves, held to the end of the forward, holds every kept
+# value it was computed from. Values kept in host memory (offload on CUDA) are not watched:
+# their copies are freed at the exit.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -62,22 +94,29 @@ if TYPE_CHECKING:
 __all__ = [
     "drop_if_unread",
     "freed_inputs",
+    "intact",
     "mark_recompute_inputs",
     "may_read",
+    "need",
+    "unneed",
     "watch",
 ]
 
 
 class _KeptRef(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to a kept value's forward tensor that knows the value's handle and
-    the region's write histories (``RecordingState.storages``).
+    """A weak reference to a kept value's forward tensor that knows the value's handle, the
+    region's write histories (``RecordingState.storages``) and op nodes.
 
     Only the region's recording state refers to it (``RecordingState.watched``), so it adds
-    no reference cycle and stops watching when the region closes.
+    no reference cycle and stops watching when the region closes. ``later`` holds the
+    reference to a tensor of a value recomputed from the kept one, still alive when the
+    kept value's tensor went (rule 2), and so on.
     """
 
-    __slots__ = ("handle", "storages")
+    __slots__ = ("handle", "later", "nodes", "storages")
     handle: Handle
+    later: _KeptRef
+    nodes: list[OpNode]
     storages: dict[int, StorageHistory]
 
 
@@ -86,7 +125,96 @@ def may_read(h: Handle) -> bool:
 
     See Note [Kept values live no longer than in eager], rule 1.
     """
-    return h.saved_refs > 0 or h.recompute_input
+    return h.saved_refs > 0 or h.recompute_readers > 0
+
+
+def intact(h: Handle) -> bool:
+    """Whether the kept value of ``h`` still holds what the op computed: not freed, and not
+    changed in place without a copy (a write through another alias supersedes it).
+
+    See Note [Kept values live no longer than in eager], rule 2.
+    """
+    return h.value is not None and (h.copied or not h.superseded)
+
+
+def _needed(h: Handle) -> bool:
+    """Whether a saved tensor needs the recomputed value ``h``, directly or through other
+    recomputed values. See Note [Kept values live no longer than in eager], rule 1."""
+    return h.saved_refs > 0 or h.recompute_readers > 0
+
+
+def _live(node: OpNode) -> bool:
+    """Whether some recomputed output of ``node`` is needed: it counts in its inputs'
+    ``recompute_readers``."""
+    for o in node.outputs:
+        if o is not None and o.reason is None and (o.saved_refs > 0 or o.recompute_readers > 0):
+            return True
+    return False
+
+
+def need(region: Region, h: Handle) -> bool:
+    """A saved tensor is about to need the recomputed value ``h``, which nothing needed:
+    count the op nodes its recomputation newly runs in their inputs' ``recompute_readers``.
+
+    Returns:
+        ``False``, changing nothing, when one of the kept values those op nodes read is not
+        ``intact``: the caller keeps ``h`` instead. See Note [Kept values live no longer
+        than in eager], rule 2.
+    """
+    nodes = region.nodes
+    p = h.node_index
+    if p < 0:
+        return False
+    node = nodes[p]
+    if _live(node):  # a sibling output is needed: the common case of multi-output ops
+        return True
+    # A walk over the op nodes nothing needed yet; those already needed read only intact
+    # values (rule 1 keeps them), so it stops there.
+    newly = [node]
+    seen = {p}
+    k = 0
+    while k < len(newly):
+        for i in newly[k].inputs:
+            if i.reason is not None:
+                if not intact(i):
+                    return False
+            elif not (i.saved_refs > 0 or i.recompute_readers > 0):
+                q = i.node_index
+                if q < 0:
+                    return False
+                if q not in seen:
+                    seen.add(q)
+                    producer = nodes[q]
+                    if not _live(producer):
+                        newly.append(producer)
+        k += 1
+    for node in newly:
+        for i in node.inputs:
+            i.recompute_readers += 1
+    return True
+
+
+def unneed(region: Region, h: Handle) -> None:
+    """No saved tensor needs ``h`` any more (its last one was freed, or it is kept now):
+    its producer leaves its inputs' ``recompute_readers`` unless another of its recomputed
+    outputs is needed, and so on up; kept values nothing reads then are freed if the
+    program dropped them. See Note [Kept values live no longer than in eager], rule 3."""
+    nodes = region.nodes
+    stack = [h]
+    while stack:
+        v = stack.pop()
+        if v.node_index < 0:
+            continue
+        node = nodes[v.node_index]
+        if _live(node):
+            continue
+        for i in node.inputs:
+            i.recompute_readers -= 1
+            if i.recompute_readers == 0 and i.saved_refs == 0:
+                if i.reason is None:
+                    stack.append(i)
+                else:
+                    drop_if_unread(region, i)
 
 
 def watch(region: Region, h: Handle, t: torch.Tensor) -> None:
@@ -96,13 +224,73 @@ def watch(region: Region, h: Handle, t: torch.Tensor) -> None:
     r = _KeptRef(t, _forward_tensor_dropped)
     r.handle = h
     r.storages = recording.storages
+    r.nodes = region.nodes
     recording.watched.append(r)
 
 
 def _forward_tensor_dropped(r: weakref.ref[torch.Tensor]) -> None:
     h: Handle = r.handle  # type: ignore[attr-defined]
     if not may_read(h) and h.offload_device is None and not _rebase_may_read(r.storages, h):  # type: ignore[attr-defined]
+        later = _watch_descendant(h, r.nodes, r.storages)  # type: ignore[attr-defined]
+        if later is None:
+            h.value = None
+        else:
+            r.later = later  # type: ignore[attr-defined]
+
+
+def _watch_descendant(
+    h: Handle, nodes: list[OpNode], storages: dict[int, StorageHistory]
+) -> _KeptRef | None:
+    """A weak reference that looks at ``h`` again when it goes, to a tensor the program
+    holds of a value recomputed from ``h``, if there is one. See Note [Kept values live no
+    longer than in eager], rule 2."""
+    t = _live_descendant(h, nodes)
+    if t is None:
+        return None
+    r = _KeptRef(t, _descendant_dropped)
+    r.handle = h
+    r.storages = storages
+    r.nodes = nodes
+    return r
+
+
+def _live_descendant(h: Handle, nodes: list[OpNode]) -> torch.Tensor | None:
+    """A tensor the program still holds of a value recomputed from ``h`` (through recomputed
+    values only), or ``None``.
+
+    Op nodes recorded after ``h``'s producer, scanned when its tensor goes and again when
+    that descendant goes: a kept value whose tensor lives long (a skip connection) costs a
+    scan of the nodes since.
+    """
+    if not h.recompute_input:
+        return None
+    sources = {h.number}
+    for node in itertools.islice(nodes, h.node_index + 1, None):
+        for i in node.inputs:
+            if i.number in sources:
+                break
+        else:
+            continue
+        for o in node.outputs:
+            if o is not None and o.reason is None:
+                t = o.ref() if o.ref is not None else None
+                if t is not None:
+                    return t
+                sources.add(o.number)
+    return None
+
+
+def _descendant_dropped(r: weakref.ref[torch.Tensor]) -> None:
+    """The program dropped a tensor of a value recomputed from a kept value whose own tensor
+    went before: free the value if nothing else may read it now."""
+    h: Handle = r.handle  # type: ignore[attr-defined]
+    if h.value is None or may_read(h) or _rebase_may_read(r.storages, h):  # type: ignore[attr-defined]
+        return
+    later = _watch_descendant(h, r.nodes, r.storages)  # type: ignore[attr-defined]
+    if later is None:
         h.value = None
+    else:
+        r.later = later  # type: ignore[attr-defined]
 
 
 def _rebase_may_read(storages: dict[int, StorageHistory], h: Handle) -> bool:
@@ -124,24 +312,32 @@ def _rebase_may_read(storages: dict[int, StorageHistory], h: Handle) -> bool:
 
 
 def drop_if_unread(region: Region, h: Handle) -> None:
-    """Free the kept value of an op output whose last saved tensor autograd released during
-    the forward, if its tensor is gone and nothing else reads it. See Note [Kept values
-    live no longer than in eager], rule 3."""
+    """Free the kept value of an op output that nothing reads any more (its last saved
+    tensor or needed recomputation went during the forward), if its tensor is gone. See
+    Note [Kept values live no longer than in eager], rule 3."""
     if (
         h.value is not None
         and h.node_index >= 0
         and h.offload_device is None
         and not may_read(h)
         and (h.ref is None or h.ref() is None)
-        and not _rebase_may_read(region.recording.storages, h)
     ):
-        h.value = None
+        recording = region.recording
+        if _rebase_may_read(recording.storages, h):
+            return
+        later = _watch_descendant(h, region.nodes, recording.storages)
+        if later is None:
+            h.value = None
+        else:
+            recording.watched.append(later)
 
 
 def freed_inputs(region: Region, node: OpNode) -> list[Handle] | None:
-    """The kept values that recomputing ``node`` would read and that were freed, with those
-    their producers would read, in turn; ``None`` when one of them cannot be recomputed (a
-    region input, a value the engine keeps for correctness, a host copy).
+    """The kept values that recomputing ``node`` would read and that are no longer
+    ``intact``, with those their producers would read, in turn (through recomputed values
+    that nothing needs yet: those needed read only intact values); ``None`` when one of
+    them cannot be recomputed (a region input, a value the engine keeps for correctness, a
+    host copy).
 
     A tag that asks to recompute an op output makes these recomputed values first. See
     Note [Kept values live no longer than in eager], rule 2.
@@ -151,20 +347,26 @@ def freed_inputs(region: Region, node: OpNode) -> list[Handle] | None:
     stack = [node]
     while stack:
         for i in stack.pop().inputs:
-            if i.reason is None or i.value is not None or id(i) in seen:
+            if id(i) in seen:
                 continue
-            if i.node_index < 0 or i.reason.by_engine or i.offload_device is not None:
-                return None
-            seen.add(id(i))
-            freed.append(i)
+            if i.reason is None:
+                if _needed(i):
+                    continue
+                seen.add(id(i))
+            else:
+                if intact(i):
+                    continue
+                if i.node_index < 0 or i.reason.by_engine or i.offload_device is not None:
+                    return None
+                seen.add(id(i))
+                freed.append(i)
             stack.append(region.nodes[i.node_index])
     return freed
 
 
 def mark_recompute_inputs(inputs: Iterable[Handle]) -> None:
-    """The inputs of an op node with a recomputed output: recomputing may read them.
-
-    See Note [Kept values live no longer than in eager], rule 1.
+    """The inputs of an op node with a recomputed output: recomputing may read them (the
+    flag a silent write asks, Note [Kept values live no longer than in eager], rule 4).
     """
     for h in inputs:
         h.recompute_input = True

@@ -30,7 +30,7 @@ from ckpt_graph.engine.decisions import to_decision as _to_decision
 from ckpt_graph.engine.graph import Handle, OpNode, version_of
 from ckpt_graph.engine.holding import detached, free_kept, hold
 from ckpt_graph.engine.hooks import pack_hook_for, unpack_hook_for_autograd
-from ckpt_graph.engine.kept_lifetime import freed_inputs, mark_recompute_inputs
+from ckpt_graph.engine.kept_lifetime import freed_inputs, mark_recompute_inputs, need, unneed
 from ckpt_graph.engine.mutation.storage_history import rebase
 from ckpt_graph.engine.offload import Offloader
 from ckpt_graph.engine.outputs import KEPT_ON_HOST as _KEPT_ON_HOST
@@ -244,14 +244,17 @@ class Region:
         # Per value, not per op node: a tag on one output of a multi-output op (``split``)
         # says nothing about its siblings, which keep the policies' decision.
         self.tagged.add(h)
+        # See Note [Kept values live no longer than in eager], rules 1 and 2.
         if decision in _KEPT_ON_HOST:
             if not h.kept:
+                needed = h.saved_refs > 0 or h.recompute_readers > 0
                 hold(self, h, t, graph.TAG, _KEPT_ON_HOST[decision])
+                if needed:  # its producer need not run for it any more
+                    unneed(self, h)
             else:
                 h.reason = graph.TAG
         elif h.kept:
-            # Kept values its recomputation reads may be freed: recompute them too, or keep
-            # it. See Note [Kept values live no longer than in eager], rule 2.
+            # Kept values its recomputation reads may be freed: recompute them too, or keep it.
             freed = freed_inputs(self, self.nodes[h.node_index])
             if freed is None:
                 h.reason = graph.INPUTS_FREED
@@ -259,6 +262,11 @@ class Region:
             for v in (*freed, h):
                 free_kept(self, v)
                 mark_recompute_inputs(self.nodes[v.node_index].inputs)
+            if (h.saved_refs > 0 or h.recompute_readers > 0) and not need(self, h):
+                raise CkptGraphError(  # freed_inputs found every value need() would miss
+                    f"ckpt_graph: internal error: recomputing {h!r} after a tag reads a freed "
+                    "kept value; please report this with the program that triggers it"
+                )
 
     # ----------------------------------------------------------------- backward
     def pack_released(self, h: Handle) -> None:

@@ -90,13 +90,19 @@ def _routing_detached(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, t
     return loss, part.detach()  # the view dies here, its detach() stays
 
 
-@pytest.mark.xfail(
+_NOT_SEEN = pytest.mark.xfail(
     strict=True,
     reason="engine: a write after the region through a detach() alias (shared version "
     "counter, no _base) of a recomputed saved value whose forward tensor is gone is not "
-    "seen; eager raises. Holds for plain recomputed values, not only copied bases",
+    "seen; eager raises",
 )
-@pytest.mark.parametrize("case", ["exp-output", "routing-index"])
+
+
+# The routing index is kept: the write that made it went over the kept empty_like()
+# without a copy (no saved tensor needed its recomputation then), so the index's own
+# saved tensor keeps it (Note [Kept values live no longer than in eager], rule 2), an
+# alias whose version the later write moves.
+@pytest.mark.parametrize("case", [pytest.param("exp-output", marks=_NOT_SEEN), "routing-index"])
 def test_write_through_detached_alias_after_the_region_raises(case: str) -> None:
     x = torch.randn(8, 4)
     w = torch.randn(4, 4, requires_grad=True)

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 __all__ = ["keep_silently_written"]
 
+# Reasons that keep an alias of the forward tensor, which a silent write may change as is.
+_ALIASES = frozenset({graph.POLICY, graph.TAG, graph.SAVED_AFTER_INPUTS_FREED})
+
 
 # Note [Silent writes]
 # Some writes bump no version counter (``OpInfo.silent_args``): CPU ``native_batch_norm``
@@ -55,5 +58,5 @@ def keep_silently_written(
             continue
         if h.reason is None:
             hold(region, h, t, graph.SILENT_WRITE)
-        elif h.reason is graph.POLICY or h.reason is graph.TAG:
+        elif h.reason in _ALIASES:
             h.reason = graph.SILENT_WRITE  # already an alias; ``before_write`` must not copy it

@@ -31,7 +31,8 @@
 #      every kept value in that storage whose elements the write may touch (``overlap``:
 #      exact for slices and chunks, conservative otherwise) and that a saved tensor or a
 #      recomputation may still read (``kept_lifetime.may_read``; an op node whose outputs
-#      are all kept never runs again) is replaced by an exact copy (same storage offset
+#      are all kept never runs again, nor one whose recomputed outputs no saved tensor
+#      needs yet) is replaced by an exact copy (same storage offset
 #      and strides), because the write would change it under them; it is also superseded
 #      (the copy carries the value's version, and the handle still refers to the tensor,
 #      so that the tensor's next use is rebased, rule 3). Kept values
@@ -139,8 +140,12 @@ def before_write(
                 k.writes += 1
             # See Note [Kept values live no longer than in eager], rule 4. Saved tensors of
             # a value written silently read the new value, as eager's do, and the op's
-            # outputs do not depend on the old one (Note [Silent writes]).
-            unread = not (k.recompute_input if silent and k is written else may_read(k))
+            # outputs do not depend on the old one (Note [Silent writes]); nothing marks
+            # it changed, so every recomputed op node that read it before counts.
+            if silent:
+                unread = not (k.recompute_input or (k is not written and k.saved_refs > 0))
+            else:
+                unread = not may_read(k)
             if k is written and unread and info.returns_written:
                 overwritten = k  # rule 4: its new version keeps the tensor
                 continue
