@@ -85,7 +85,7 @@ def arg_at(args: Sequence[Any], kwargs: dict[str, Any], where: int | str) -> Any
     return args[where] if isinstance(where, int) else kwargs.get(where)
 
 
-_weakref = weakref.ref
+_ref_new = weakref.ref.__new__
 
 
 def version_of(t: torch.Tensor) -> int:
@@ -97,7 +97,23 @@ def version_of(t: torch.Tensor) -> int:
         return 0
 
 
-class Handle:
+# Note [A handle is a weak reference]
+# A handle needs a weak reference to its forward tensor (``Region.handle_of`` tells a tensor
+# it has seen from a new one at the same address; version checks and live forward tensors
+# read it). The handle *is* that reference: ``Handle`` subclasses ``weakref.ref`` (as the
+# standard library's ``WeakMethod`` and ``KeyedRef`` do), so ``h()`` is the forward tensor or
+# ``None``, and a recorded value costs one object, not two (the garbage collector's passes
+# grow with the objects a region holds: Note [Objects made per op]). Rules:
+#   1. Identity: ``weakref.ref`` compares and hashes by referent, but two handles of one
+#      tensor (its values before and after an in-place op) are different values, so
+#      ``Handle`` restores ``object``'s ``__eq__``, ``__ne__`` and ``__hash__``.
+#   2. Unlinking: the engine makes a handle stop matching its tensor (a silently written
+#      value whose version would still match: ``before_write``) with ``unlinked``; ``h.ref``
+#      reads ``h`` or ``None`` accordingly, so readers keep the ``h.ref() if h.ref is not
+#      None`` form, and the per-op and per-value paths read ``unlinked`` and call ``h()``.
+#   3. No cycle: the handle refers to the tensor weakly and the tensor never refers to the
+#      handle, as before (Note [Lazy recording]).
+class Handle(weakref.ref[torch.Tensor]):
     """One value of the region: an op node output at one version, or a region input.
 
     Attributes:
@@ -111,7 +127,9 @@ class Handle:
             recorded]); -1 for a handle made outside a region.
         version: the tensor's ``_version`` when this value was current (-1 until first
             observed after an in-place op; see Note [Mutation and views]).
-        ref: weak reference to the forward tensor, for version checks.
+        ref: weak reference to the forward tensor, for version checks: the handle itself
+            (see Note [A handle is a weak reference]), or ``None`` once the engine unlinked
+            it (a tensor whose version must not match the handle again).
         value: the kept tensor, or ``None`` when the value is recomputed.
         reason: why the value is kept, a :class:`KeptReason` (``None`` when recomputed).
         copied: ``value`` is an exact copy taken before a write (``hold_copy``), with a
@@ -132,6 +150,7 @@ class Handle:
         has_views: some view op of the region took this value as input.
         superseded: an in-place op of the region wrote over this value; autograd saved
             tensors of this value raise the version-counter error when unpacked.
+        unlinked: the handle no longer matches its forward tensor (``ref`` is ``None``).
         writes: how many writes of the region went over this value (a view's base counts
             the writes through its views).
         base_writes: for a view, its base's ``writes`` when the view was made: a later
@@ -174,17 +193,33 @@ class Handle:
         "reason",
         "recompute_input",
         "recompute_readers",
-        "ref",
         "saved_refs",
         "shape",
         "storage",
         "storage_offset",
         "stride",
         "superseded",
+        "unlinked",
         "value",
         "version",
         "writes",
     )
+
+    # See Note [A handle is a weak reference], rule 1 (assigned from ``object``, so that
+    # hashing stays a C call).
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+
+    def __new__(
+        cls,
+        t: torch.Tensor,
+        node_index: int,
+        output_index: int,
+        number: int = -1,
+        input_index: int = -1,
+    ) -> Handle:
+        return _ref_new(cls, t)  # type: ignore[no-any-return]
 
     def __init__(
         self,
@@ -202,7 +237,7 @@ class Handle:
             self.version = t._version
         except RuntimeError:
             self.version = 0
-        self.ref: weakref.ref[torch.Tensor] | None = _weakref(t)
+        self.unlinked = False  # See Note [A handle is a weak reference], rule 2.
         self.shape = t.shape
         self.dtype = t.dtype
         self.nbytes: int = t.nbytes
@@ -228,6 +263,18 @@ class Handle:
         self.live = False
 
     @property
+    def ref(self) -> Handle | None:
+        """The weak reference to the forward tensor: the handle itself, or ``None`` once
+        unlinked. See Note [A handle is a weak reference]."""
+        return None if self.unlinked else self
+
+    @ref.setter
+    def ref(self, ref: Handle | None) -> None:
+        if ref is not None and ref is not self:
+            raise ValueError("ckpt_graph: a handle refers to its own forward tensor only")
+        self.unlinked = ref is None
+
+    @property
     def kept(self) -> bool:
         """Whether the region holds this value (it is never recomputed)."""
         return self.reason is not None
@@ -250,6 +297,23 @@ class Handle:
         return f"Handle({where}, {tuple(self.shape)}, {self.dtype}, {state})"
 
 
+# Note [Objects made per op]
+# The recorder makes an op node and a handle per output for every op, and every object it
+# keeps counts towards the garbage collector's next young-generation pass, which then walks
+# them (Note [One recording path], rule 3). So:
+#   1. A handle is the weak reference to its forward tensor, not an object holding one
+#      (Note [A handle is a weak reference]).
+#   2. The pass graph rows of a value, ``(v,)``, are one tuple per number shared by all
+#      regions (``passes.one_row``; Note [Values numbered as recorded]).
+#   3. ``OpNode`` has ``__slots__`` like ``Handle``: with an instance dictionary, the first
+#      backward pass sets ``realized`` and ``pass_id`` after thousands of nodes closed the
+#      class's shared key table, and each node then got a dictionary of its own.
+#   4. ``record_node`` makes handles and op nodes with ``weakref.ref.__new__`` /
+#      ``object.__new__`` and calls ``__init__`` itself: ``Handle(...)`` goes through
+#      ``type.__call__`` and a second evaluation loop, which cost more than the object's
+#      ``__init__``. Everything else calls the constructors.
+# Instructions per phase, before and after: BENCHMARKS.md, "Recording overhead"
+# (``benchmarks/bench_overhead_instructions.py``).
 class OpNode:
     """One recorded op call of the region.
 
@@ -276,21 +340,27 @@ class OpNode:
         pass_id: the number of the last backward pass it ran in (``PassState.number``).
     """
 
-    # Class-level defaults (OpNode has no ``__slots__``, unlike Handle, whose every field
-    # ``__init__`` sets): ``__init__`` sets what every node has; the rest reads these until
-    # an instance sets its own, so a plain op node costs six attribute stores.
-    outputs: tuple[Handle | None, ...] = ()
-    out_is_tuple = False
-    rng: tuple[torch.Generator, torch.Tensor] | None = None
-    decision: Any = None
-    decided_by = ""
-    module_path = ""
-    module_call: ModuleCall | None = None
-    flops = -1
-    stack: str | None = None
-    checksums: tuple[tuple[float, float, float] | None, ...] | None = None
-    realized = 0
-    pass_id = -1
+    # Slots, as Handle's: see Note [Objects made per op].
+    __slots__ = (
+        "args",
+        "checksums",
+        "decided_by",
+        "decision",
+        "flops",
+        "index",
+        "info",
+        "inputs",
+        "kwargs",
+        "module_call",
+        "module_path",
+        "op",
+        "out_is_tuple",
+        "outputs",
+        "pass_id",
+        "realized",
+        "rng",
+        "stack",
+    )
 
     def __init__(
         self,
@@ -300,6 +370,13 @@ class OpNode:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         inputs: tuple[Handle, ...],
+        outputs: tuple[Handle | None, ...] = (),
+        decision: Any = None,
+        decided_by: str = "",
+        module_path: str = "",
+        module_call: ModuleCall | None = None,
+        rng: tuple[torch.Generator, torch.Tensor] | None = None,
+        out_is_tuple: bool = False,
     ) -> None:
         self.index = index
         self.op = op
@@ -307,6 +384,18 @@ class OpNode:
         self.args = args
         self.kwargs = kwargs
         self.inputs = inputs
+        self.outputs = outputs
+        self.decision = decision
+        self.decided_by = decided_by
+        self.module_path = module_path
+        self.module_call = module_call
+        self.rng = rng
+        self.out_is_tuple = out_is_tuple
+        self.flops = -1
+        self.stack: str | None = None
+        self.checksums: tuple[tuple[float, float, float] | None, ...] | None = None
+        self.realized = 0
+        self.pass_id = -1
 
     def __repr__(self) -> str:
         return f"OpNode(#{self.index} {self.info.name})"

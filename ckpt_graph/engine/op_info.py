@@ -50,6 +50,9 @@ class OpInfo:
         silent_args: the written arguments whose write bumps no version counter: all of
             ``writes`` when ``silent_writes``, or some (the noise of ``rrelu_with_noise_``,
             whose ``self`` is written as any in-place op's).
+        aliases: some output aliases an argument (``view_outputs`` or ``returns_written``).
+        may_be_transient: pointwise, not random, writes nothing: a single output of the op
+            may be transient (Note [Transient values]).
     """
 
     name: str
@@ -62,6 +65,8 @@ class OpInfo:
     is_pointwise: bool = False
     silent_args: tuple[int | str, ...] = ()
     options: tuple[str, ...] = ()
+    aliases: bool = False
+    may_be_transient: bool = False
 
     @property
     def is_inplace(self) -> bool:
@@ -128,15 +133,19 @@ def _compute_op_info(op: OpOverload) -> OpInfo:
             if a.kwarg_only and a.name in ("dtype", "layout", "device")
         )
     tags = op.tags
+    is_random = torch.Tag.nondeterministic_seeded in tags
+    is_pointwise = torch.Tag.pointwise in tags
     return OpInfo(
         name=str(op),
         writes=tuple(writes),
         returns_written=returns_written,
         view_outputs=view_outputs,
-        is_random=torch.Tag.nondeterministic_seeded in tags,
+        is_random=is_random,
         is_inplace_view=torch.Tag.inplace_view in tags,
         silent_writes=silent,
         silent_args=silent_args,
-        is_pointwise=torch.Tag.pointwise in tags,
+        is_pointwise=is_pointwise,
         options=options,
+        aliases=bool(view_outputs) or returns_written,
+        may_be_transient=is_pointwise and not writes and not is_random,
     )

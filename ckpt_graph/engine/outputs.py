@@ -7,6 +7,7 @@ The last two steps of Note [One recording path] (``record.py``).
 from __future__ import annotations
 
 import traceback
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +22,7 @@ from ckpt_graph.engine.kept_lifetime import mark_recompute_inputs
 from ckpt_graph.engine.mutation.storage_history import after_write
 from ckpt_graph.engine.mutation.writes import mark_written
 from ckpt_graph.engine.op_info import OpInfo
-from ckpt_graph.engine.passes import number_node
+from ckpt_graph.engine.passes import ONE_ROWS, number_node, one_row
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
@@ -40,6 +41,10 @@ KEPT_ON_HOST = {
 _KEEP_IDS = frozenset(id(d) for d in KEPT_ON_HOST)  # for every op: Enum.__hash__ is Python code
 _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 _MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
+_new_handle = weakref.ref.__new__
+_init_handle = Handle.__init__
+_new_object = object.__new__
+_init_node = OpNode.__init__
 
 
 def record_node(
@@ -54,18 +59,13 @@ def record_node(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> OpNode:
-    """Append the op node of one call, with a handle per tensor output."""
+    """Append the op node of one call, with a handle per tensor output, and its row of the
+    pass graph (see Note [Values numbered as recorded])."""
     nodes = region.nodes
     index = len(nodes)
-    node = OpNode(index, op, info, h_args, h_kwargs, inputs)
     # A constant policy stack decides every op alike; ``decide`` asks callable ones.
     stack = region.policy_stack
-    decision = node.decision = stack.constant
-    node.decided_by = stack.constant_by
-    node.module_path = region.module_stack.current_path
-    node.module_call = region.module_stack.current_call
-    if rng is not None:
-        node.rng = rng
+    decision = stack.constant
     if decision is _RECOMPUTE or decision is _MUST_RECOMPUTE:  # ``decide`` may not run
         for h in inputs:  # See Note [Kept values live no longer than in eager], rule 1.
             h.forward_uses += 1
@@ -77,47 +77,98 @@ def record_node(
     if info.writes:
         previous = mark_written(region, info, h_args, h_kwargs, args, kwargs)
     recording = region.recording
-    ids = recording.ids
-    shapes = recording.shapes
     pass_state = region.pass_state
     values = pass_state.handles  # See Note [Values numbered as recorded].
     if isinstance(out, _Tensor):
-        h = Handle(out, index, 0, len(values))
+        v = len(values)
+        h = _new_handle(Handle, out)  # See Note [Objects made per op].
+        _init_handle(h, out, index, 0, v)
         values.append(h)
-        if info.view_outputs or info.returns_written:
+        if info.aliases:
             _alias_output(region, info, h, inputs, previous)
-        ids[id(out)] = h
-        node.outputs = (h,)
-        handles: Any = node.outputs
+        recording.ids[id(out)] = h
+        outputs: tuple[Handle | None, ...] = (h,)
+        shape = h.shape
+        try:  # noqa: SIM105 (``suppress`` would make an object per output)
+            h.shape = recording.shapes.setdefault(shape, shape)
+        except TypeError:  # symbolic sizes are not hashable: no sharing
+            pass
     else:
-        node.out_is_tuple = True
-        handles = []
-        for j, o in enumerate(out):
-            if not isinstance(o, _Tensor):
-                handles.append(None)
-                continue
-            h = Handle(o, index, j, len(values))
-            values.append(h)
-            if info.view_outputs or info.returns_written:  # a list return: every element
-                _alias_output(region, info, h, inputs, previous)
-            ids[id(o)] = h
-            handles.append(h)
-        node.outputs = tuple(handles)
-    for h in handles:
-        if h is not None:
-            shape = h.shape
-            try:  # noqa: SIM105 (``suppress`` would make an object per output)
-                h.shape = shapes.setdefault(shape, shape)
-            except TypeError:  # symbolic sizes are not hashable: no sharing
-                pass
+        outputs = _tuple_outputs(region, info, inputs, out, index, previous)
+        v = -1
+    if rng is not None:
+        recording.random_nodes.append(index)
+    modules = region.module_stack
+    node = _new_object(OpNode)  # See Note [Objects made per op].
+    _init_node(
+        node,
+        index,
+        op,
+        info,
+        h_args,
+        h_kwargs,
+        inputs,
+        outputs,
+        decision,
+        stack.constant_by,
+        modules.current_path,
+        modules.current_call,
+        rng,
+        v < 0,
+    )
     if info.writes and recording.writing is not None:  # See Note [Mutation and views], rule 3.
-        after_write(region, node.outputs[0] if len(node.outputs) == 1 else None)
+        after_write(region, outputs[0] if len(outputs) == 1 else None)
     if region.debug:
         node.stack = "".join(traceback.format_stack(limit=14)[:-4])
-        node.checksums = checksums(out if node.out_is_tuple else (out,))
+        node.checksums = checksums(out if v < 0 else (out,))
     nodes.append(node)
-    number_node(pass_state, node)
+    if v < 0:
+        number_node(pass_state, node)
+        return node
+    # ``number_node`` for one output, inlined: it runs for nearly every op.
+    rows = ONE_ROWS
+    n = len(inputs)
+    if n == 1:
+        i = inputs[0].number
+        ins: tuple[int, ...] = rows[i] if i < len(rows) else one_row(i)
+    elif n == 2:
+        ins = (inputs[0].number, inputs[1].number)
+    else:
+        ins = tuple([i.number for i in inputs])
+    pass_state.node_inputs.append(ins)
+    pass_state.node_outputs.append(rows[v] if v < len(rows) else one_row(v))
+    pass_state.transient_ok.append(info.may_be_transient)
     return node
+
+
+def _tuple_outputs(
+    region: Region,
+    info: OpInfo,
+    inputs: tuple[Handle, ...],
+    out: tuple[Any, ...] | list[Any],
+    index: int,
+    previous: Handle | None,
+) -> tuple[Handle | None, ...]:
+    """The handles of an op that returned a tuple or list (``None`` for non-tensors)."""
+    recording = region.recording
+    values = region.pass_state.handles
+    handles: list[Handle | None] = []
+    for j, o in enumerate(out):
+        if not isinstance(o, _Tensor):
+            handles.append(None)
+            continue
+        h = Handle(o, index, j, len(values))
+        values.append(h)
+        if info.aliases:  # a list return: every element
+            _alias_output(region, info, h, inputs, previous)
+        recording.ids[id(o)] = h
+        handles.append(h)
+        shape = h.shape
+        try:  # noqa: SIM105
+            h.shape = recording.shapes.setdefault(shape, shape)
+        except TypeError:
+            pass
+    return tuple(handles)
 
 
 def _alias_output(

@@ -52,7 +52,9 @@ callback that ends a partial backward.
 
 from __future__ import annotations
 
+import threading
 import warnings
+from itertools import compress
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,6 +71,7 @@ if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
 
 __all__ = [
+    "ONE_ROWS",
     "TRANSIENT_MIN_BYTES",
     "CacheBytes",
     "PassState",
@@ -78,6 +81,7 @@ __all__ = [
     "free_use",
     "live_forward",
     "number_node",
+    "one_row",
     "pass_graph",
 ]
 
@@ -185,40 +189,62 @@ class PassState:
 # The pass rules work on integers (Note [One pass core]). A handle gets its number when it
 # is made (``Handle.number``, its position in ``PassState.handles``): region inputs as the
 # region first sees them, op node outputs as the op node is recorded, so the numbers follow
-# the forward. Each recorded op node appends its row of the pass graph at once
-# (``number_node``): the numbers of its distinct inputs and of its outputs. The tuples are
-# shared where equal, as the recorder shares handle tuples (Note [One recording path],
-# rule 3): an op node whose only input is the only output of its producer reuses the
-# producer's outputs row. Region exit then only wraps these rows (``pass_graph``): no walk
-# over the op nodes and no dictionary from handles to numbers, whose per-op tuples, made all
-# at once at exit, cost more than the numbering itself (they start garbage collections there).
+# the forward. Each recorded op node appends its row of the pass graph at once: the numbers
+# of its distinct inputs and of its outputs (``number_node``; ``record_node`` inlines it
+# for an op with one tensor output, nearly every op). Region exit then only wraps these
+# rows (``pass_graph``): no walk over the op nodes and no dictionary from handles to
+# numbers. The rows cost no object per op where they can be shared: the one-value row
+# ``(v,)``, an op node's only output or only input, is the same tuple in every region
+# (``one_row``: a table grown on demand up to ``ONE_ROWS_MAX`` numbers, about 5 MB at most,
+# beyond which rows are made per op), so only ops with two or more inputs or outputs make
+# a row of their own. Per-op tuples counted towards the garbage collector's passes and made
+# numbering cost more than the numbers themselves (Note [Objects made per op]).
+
+
+ONE_ROWS: list[tuple[int]] = []  # ONE_ROWS[v] == (v,); grown only by ``one_row``
+_ONE_ROWS_LOCK = threading.Lock()
+ONE_ROWS_MAX = 1 << 16
+
+
+def one_row(v: int) -> tuple[int]:
+    """The row ``(v,)``, the same tuple in every region for ``0 <= v < ONE_ROWS_MAX``.
+
+    See Note [Values numbered as recorded].
+
+    Example:
+        >>> one_row(3), one_row(3) is one_row(3)
+        ((3,), True)
+    """
+    if 0 <= v < len(ONE_ROWS):
+        return ONE_ROWS[v]
+    if not 0 <= v < ONE_ROWS_MAX:
+        return (v,)
+    with _ONE_ROWS_LOCK:  # threads extend it one at a time; readers see whole rows
+        n = len(ONE_ROWS)
+        if v >= n:
+            ONE_ROWS.extend([(i,) for i in range(n, min(max(2 * n, v + 1, 256), ONE_ROWS_MAX))])
+    return ONE_ROWS[v]
 
 
 def number_node(state: PassState, node: OpNode) -> None:
     """Append the pass graph row of a recorded op node, whose outputs are numbered. See
     Note [Values numbered as recorded]."""
     outs = node.outputs
-    node_outputs = state.node_outputs
     if len(outs) == 1 and outs[0] is not None:
-        row: tuple[int, ...] = (outs[0].number,)
-        info = node.info
-        state.transient_ok.append(info.is_pointwise and not info.writes and not info.is_random)
+        row: tuple[int, ...] = one_row(outs[0].number)
+        state.transient_ok.append(node.info.may_be_transient)
     else:
         row = tuple([o.number for o in outs if o is not None])
         state.transient_ok.append(False)
     inputs = node.inputs
     if len(inputs) == 1:
-        h = inputs[0]
-        p = h.node_index
-        ins = node_outputs[p] if p >= 0 else ()
-        if len(ins) != 1 or ins[0] != h.number:
-            ins = (h.number,)
+        ins: tuple[int, ...] = one_row(inputs[0].number)
     elif len(inputs) == 2:
         ins = (inputs[0].number, inputs[1].number)
     else:
         ins = tuple([i.number for i in inputs])
     state.node_inputs.append(ins)
-    node_outputs.append(row)
+    state.node_outputs.append(row)
 
 
 def pass_graph(region: Region) -> tuple[PassGraph, list[Handle]]:
@@ -334,7 +360,7 @@ def begin_pass(region: Region, task: int, executor: Executor) -> None:
 def live_forward(h: Handle) -> torch.Tensor | None:
     """The forward tensor of ``h``, if still held and unchanged. See Note [Live forward
     tensors]."""
-    t = h.ref() if h.ref is not None else None
+    t = None if h.unlinked else h()  # See Note [A handle is a weak reference].
     if (
         t is None
         or not h.storage
@@ -481,12 +507,14 @@ def count_live_uses(region: Region) -> None:
     state.may_run = count_uses(g, kept, live_uses, all_inputs=True)
     state.live_uses = live_uses
     state.kept = kept
-    for j, node in enumerate(region.nodes):
+    nodes = region.nodes
+    for j in region.recording.random_nodes:  # the op nodes with a generator state
+        node = nodes[j]
         if node.rng is not None and is_dead(g, live_uses, state.may_run, j):
             node.rng = None
-    for h, n in zip(handles, live_uses, strict=True):
-        if h.reason is not None and n == 0:
-            h.value = None
+    for v in compress(range(len(kept)), kept):
+        if live_uses[v] == 0:
+            handles[v].value = None
 
 
 def free_use(region: Region, h: Handle) -> None:

@@ -378,8 +378,8 @@ def _untracked_write_error(h: Handle, region: Region) -> CkptGraphError:
 def _check_version(region: Region, h: Handle) -> None:
     """Raise autograd's version-counter error if the forward tensor of ``h`` changed."""
     t = h.value if h.value is not None and h.offload_device is None else None
-    if t is None and h.ref is not None:
-        t = h.ref()
+    if t is None and not h.unlinked:  # See Note [A handle is a weak reference].
+        t = h()
     if t is None and h.base is not None:
         # See Note [Mutation and views], rule 6: the view's tensor is gone (a temporary
         # view autograd saved), but it shared its base's version counter.

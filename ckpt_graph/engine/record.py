@@ -64,7 +64,8 @@ _NO_KWARGS: dict[str, Any] = {}  # shared by every op node called without keywor
 #      ``args`` when that is the only argument); when every argument is a distinct tensor,
 #      ``inputs`` is the ``args`` tuple. Op nodes called without keywords share one empty
 #      ``kwargs`` dict. Output shapes are shared within a region (``RecordingState.shapes``): one
-#      ``torch.Size`` per distinct shape instead of one per op.
+#      ``torch.Size`` per distinct shape instead of one per op. The handle is its own weak
+#      reference, and the pass graph rows are shared (Note [Objects made per op] in graph.py).
 #   4. Writes (``before_write`` and its undo), RNG capture and factory options run only for
 #      ops whose ``OpInfo`` asks for them (``_OpEntry.special``).
 # The seed gradient of a backward (``ones_like`` called by autograd) is never recorded.
@@ -209,7 +210,7 @@ def _scan(
     for a in args:
         if isinstance(a, _Tensor):
             h = ids.get(id(a))
-            if h is None or (ref := h.ref) is None or ref() is not a:
+            if h is None or h() is not a or h.unlinked:  # See Note [A handle is a weak reference].
                 h = region.handle_of(a)
             else:
                 try:  # version_of(), inlined

@@ -44,6 +44,9 @@ class RecordingState:
         watched: weak references to the forward tensors of kept op outputs, which free
             the kept value when the program drops the tensor and nothing reads the value
             (see Note [Kept values live no longer than in eager]).
+        random_nodes: positions of the op nodes recorded with a generator state
+            (``OpNode.rng``), which region exit frees for those that never run; kept
+            after the region closes.
 
     Example:
         >>> state = RecordingState()
@@ -56,6 +59,7 @@ class RecordingState:
         "by_storage",
         "ids",
         "on",
+        "random_nodes",
         "shapes",
         "storages",
         "task",
@@ -75,6 +79,7 @@ class RecordingState:
         self.unsettled: list[Handle] = []
         self.alias_keys: tuple[Any, Any, Any] | None = None
         self.watched: list[weakref.ref[torch.Tensor]] = []
+        self.random_nodes: list[int] = []
 
     def finish(self) -> None:
         """Stop recording and drop what only recording needs (the region closes)."""

@@ -178,7 +178,7 @@ class Region:
         """
         unsettled = self.recording.unsettled
         for h in unsettled:
-            t = h.ref() if h.ref is not None else None
+            t = None if h.unlinked else h()
             if t is not None:
                 h.version = version_of(t)
                 if h.value is not None and h.offload_device is None:
@@ -190,7 +190,7 @@ class Region:
     def lookup(self, t: torch.Tensor) -> Handle | None:
         """The handle of the value ``t`` held when last seen in the region, or ``None``."""
         h = self.recording.ids.get(id(t))
-        if h is None or h.ref is None or h.ref() is not t:
+        if h is None or h() is not t or h.unlinked:
             return None
         return h
 
@@ -198,7 +198,7 @@ class Region:
         """The handle of the value ``t`` holds now; a new kept input handle if unseen."""
         ids = self.recording.ids
         old = ids.get(id(t))
-        if old is not None and old.ref is not None and old.ref() is t:
+        if old is not None and old() is t and not old.unlinked:
             try:  # inlined version_of(): this runs for every tensor argument
                 version = t._version
             except RuntimeError:
