@@ -23,6 +23,8 @@ _TRY = 8
 # Up to this many candidates, a move of the local search may also keep dropped ops again:
 # inside its repair and after it (fill). See Note [Memory budget planning] step 6.
 EXCHANGE = 64
+# A repair without a cost to beat (small graphs: its keeps may lower the cost again).
+_NO_BOUND = float("inf")
 
 
 def _run_cost(g: SimGraph, kept: Sequence[bool]) -> int:
@@ -142,7 +144,11 @@ class Search:
         return (r, kept) if self.peak(r) <= self.budget else (lowest, lowest_kept)
 
     def repair(
-        self, trial: set[int], added: int, adds: Iterable[int] = ()
+        self,
+        trial: set[int],
+        added: int,
+        adds: Iterable[int] = (),
+        bound: float = _NO_BOUND,
     ) -> tuple[SimResult, set[int]]:
         """Change kept ops until the plan fits; the cheapest plan that fits on the way.
 
@@ -151,13 +157,18 @@ class Search:
         can end a recompute chain whose values backward would otherwise cache at once). Once
         a step could fit, the descent goes on while it stays cheaper than that plan (a 1-for-3
         swap of cheap drops beats one expensive drop that fits at once). Each op changes at
-        most once; ``added`` is never dropped. See Note [Memory budget planning] step 6.
+        most once; ``added`` is never dropped. The move stops once its cost reaches
+        ``bound`` (the plan to beat). See Note [Memory budget planning] step 6.
         """
         r = self.sim(trial)
         frozen = {added}
         fit: tuple[SimResult, set[int]] | None = None  # the cheapest plan seen that fits
+        # without keeps (large graphs), the drops are ranked by marginal cost once per move
+        ranked: list[int] | None = None if adds else []
         while self.peak(r) > self.budget and not self.spent:
             if fit is not None and r.recompute_cost >= fit[0].recompute_cost:
+                break
+            if r.recompute_cost >= bound:
                 break
             pool = trial - frozen
             if not pool:
@@ -168,7 +179,11 @@ class Search:
                 frozen.add(op)
                 r = self.sim(trial)
                 continue
-            if len(pool) > _TRY:  # simulate only the cheapest drops per byte
+            if len(pool) > _TRY and ranked is not None:  # ranked once per move
+                if not ranked:
+                    ranked = sorted(pool, key=lambda o: (self.marginal(o, trial), o))
+                pool = set([o for o in ranked if o in pool][:_TRY])
+            elif len(pool) > _TRY:  # simulate only the cheapest drops per byte
                 pool = set(sorted(pool, key=lambda o: self.marginal(o, trial))[:_TRY])
             trials = [(self.sim(trial - {o}), o) for o in sorted(pool)]
             if all(self.peak(t[0]) >= self.peak(r) for t in trials):
@@ -235,14 +250,25 @@ class Search:
     def fill(
         self, candidates: Sequence[int], r: SimResult, kept: set[int]
     ) -> tuple[SimResult, set[int]]:
-        """Keep dropped ops again, most expensive first, while the plan fits and gets cheaper."""
-        for op in sorted(set(candidates) - kept, key=lambda o: -self.g.ops[o].cost):
+        """Keep dropped ops again, in the order of ``candidates``, each that keeps the plan
+        within the budget and makes it cheaper."""
+        for op in [o for o in candidates if o not in kept]:
             if self.spent:
                 break
             t = self.sim(kept | {op})
             if self.peak(t) <= self.budget and t.recompute_cost < r.recompute_cost:
                 r, kept = t, kept | {op}
         return r, kept
+
+    def _by_saving(self, dropped: set[int], kept: set[int]) -> list[int]:
+        """``dropped`` ordered by the recompute their keeping saves, most first (ties: the
+        op's own cost); each keep is simulated once (the first simulation of its move)."""
+        saving: dict[int, int] = {}
+        for op in dropped:
+            if self.spent:
+                break
+            saving[op] = self.sim(kept | {op}).recompute_cost
+        return sorted(dropped, key=lambda o: (saving.get(o, 1 << 62), -self.g.ops[o].cost, o))
 
     def improve(
         self, candidates: Sequence[int], best: SimResult, kept: set[int]
@@ -255,14 +281,25 @@ class Search:
                 r = self.sim(kept - {op})
                 if r.recompute_cost <= best.recompute_cost and self.peak(r) <= self.budget:
                     kept, best = kept - {op}, r
+            r, trial = self.fill(self._by_saving(set(candidates) - kept, kept), best, kept)
+            if r.recompute_cost < best.recompute_cost:  # keeps that fit as they are
+                kept, best, improved = trial, r, True
             dropped = sorted(set(candidates) - kept, key=lambda o: -self.g.ops[o].cost)
             exchange = self.chains and len(candidates) <= EXCHANGE
             for op in dropped:
                 if self.spent:
                     break
-                r, trial = self.repair(kept | {op}, op, candidates if exchange else ())
+                if op in kept:
+                    continue
+                r, trial = self.repair(
+                    kept | {op},
+                    op,
+                    candidates if exchange else (),
+                    _NO_BOUND if exchange else best.recompute_cost,
+                )
                 if self.peak(r) <= self.budget and exchange:
-                    r, trial = self.fill(candidates, r, trial)
+                    order = sorted(candidates, key=lambda o: -self.g.ops[o].cost)
+                    r, trial = self.fill(order, r, trial)
                 if self.peak(r) <= self.budget and r.recompute_cost < best.recompute_cost:
                     kept, best, improved = trial, r, True
             if improved or len(candidates) > _PAIRS:

@@ -69,8 +69,20 @@
 #      that a descent cannot reach: on a 1-layer GPT (40 ops) the optimum at 45% of the
 #      activations keeps GELU's output instead of the MLP's first matmul and then both
 #      residual adds; without these moves the plan cost +35% (752,384 vs 559,104). (Warm
-#      starts, Note [Warm start at a new size], search without chains.) A move is accepted
-#      when it is cheaper. Up to ``_PAIRS`` candidates it also tries keeping two dropped ops
+#      starts, Note [Warm start at a new size], search without chains.) Each pass first
+#      *fills*: it simulates keeping each dropped op again (one evaluation each, the first
+#      simulation of that op's move anyway) and keeps, in the order of the recompute they
+#      save, those that still fit and save cost. Above ``EXCHANGE`` candidates a repair
+#      stops once its cost reaches the plan's to beat (drops only add recompute, so such a
+#      move cannot win), and ranks its drops by marginal cost once per move rather than at
+#      every drop. (Measured on the Megatron anchor, benchmarks/bench_anchor.py at 0.3,
+#      300 ops, 128 candidates: without them a repair of one expensive op took 365-426
+#      evaluations, most of them marginal costs, the default 1,200 evaluations ran out
+#      before the cheap moves, keeping the last layer's softmax and dropout outputs, whose
+#      backward runs first, where they are recomputed anyway, and the plan cost 9.65 G
+#      units (head size 32) / 7.33 G (64) where 8,000 evaluations found 8.11 / 5.82 G; now
+#      7.88 / 5.39 G in the same planning time, what 30,000 evaluations find at head size
+#      32.) A move is accepted when it is cheaper. Up to ``_PAIRS`` candidates it also tries keeping two dropped ops
 #      at once. The cheapest local optimum wins (ties: the earliest seed above);
 #      ``Solution.method`` names it.
 #   6a. If no seed and no hand plan fits, the one with the lowest activation peak is changed

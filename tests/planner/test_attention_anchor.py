@@ -204,6 +204,10 @@ def test_budget_at_megatrons_peak_on_transformers_gpt2() -> None:
     policy = memory_budget(mega_peak, flops_per_byte=2.0)
     planned = loss_forward(policy)
     step(planned)  # the first step records the graph and plans
+    # the second runs the plan, measured (check="auto"): a plan the simulator puts just
+    # within the budget can measure above it by the simulator's error (0.3% here), and is
+    # then planned again once with the difference (Note [Measured budget check])
+    step(planned)
     plan_peak = measure(functools.partial(step, planned)).peak_bytes
     plan_flops = flops(planned) - base_flops
     report = policy.report()
