@@ -143,6 +143,7 @@ def step_grads(
         if floating[v] and store[v] == v and val.producer >= 0:
             low[v] = val.producer
     buffer = list(range(len(values)))  # the buffer holding each value's gradient
+    shared: dict[int, list[tuple[int, int]]] = {}  # buffer -> (step, region input) handed it
     for j in sorted(passthrough, reverse=True):
         outs = [o for o in ops[j].outputs if o in low or buffer[o] != o]
         if len(outs) != 1:
@@ -156,6 +157,8 @@ def step_grads(
                 del low[r]
                 buffer[r] = b
                 low[b] = min(low[b], values[r].producer)
+            elif as_is and values[r].producer < 0 and floating[r] and b in low:
+                shared.setdefault(b, []).append((j, r))
     # the contributions to each gradient: (step, the value read), last step first
     skip = set(passthrough)
     contributions: dict[int, list[tuple[int, int]]] = {}
@@ -167,6 +170,11 @@ def step_grads(
             root = store[i]
             if floating[root]:
                 contributions.setdefault(root, []).append((j, i))
+    dense = _summed_broadcasts(values, ops, low, buffer, shared, contributions)
+    for b, parts in shared.items():  # a region input's buffer holds the shared one
+        below = [k for j, r in parts for k, _ in contributions.get(r, ()) if k < j]
+        if below:
+            low[b] = min(low[b], *below)
     top = {v: last_use[v] for v in low}  # the step that makes each buffer (-1: none)
     for r, parts in contributions.items():
         steps = {j for j, _ in parts}
@@ -182,6 +190,14 @@ def step_grads(
         delta[end + 1] -= values[v].nbytes
         if top[v] >= 0:  # else a region output's: there before backward starts
             made[end] += values[v].nbytes
+    for b, (m, size) in dense.items():
+        delta[low[b]] += size
+        delta[m] -= size
+        # made after the step's formula, whose workspace is freed by then
+        extra = max(size - ops[m].workspace, 0)
+        delta[m] += extra
+        delta[m + 1] -= extra
+        made[m] += extra
     out: dict[int, int] = {}
     level = 0
     for j in range(n):
@@ -201,6 +217,35 @@ def step_grads(
             out[j] += extra
             made[j] += extra
     return out, {j: out[j] - made[j] for j in range(n)}
+
+
+def _summed_broadcasts(
+    values: Sequence[SimValue],
+    ops: Sequence[SimOp],
+    low: Mapping[int, int],
+    buffer: Sequence[int],
+    shared: Mapping[int, list[tuple[int, int]]],
+    contributions: Mapping[int, list[tuple[int, int]]],
+) -> dict[int, tuple[int, int]]:
+    """Per shared buffer smaller than a value it is handed to (``sum``'s formula expands
+    its output's gradient: no memory), the step where a contribution is first summed into
+    it, out of place, and the bytes of that dense sum. See Note [Backward liveness model]
+    rule 4."""
+    members: dict[int, list[int]] = {}
+    for r, b in enumerate(buffer):
+        if b != r and b in low:
+            members.setdefault(b, []).append(r)
+    for b, parts in shared.items():
+        members.setdefault(b, []).extend(r for _, r in parts)
+    out: dict[int, tuple[int, int]] = {}
+    for b, rs in members.items():
+        first = max(
+            ((j, r) for r in rs for j, _ in contributions.get(r, ())),
+            default=None,
+        )
+        if first is not None and values[first[1]].nbytes > values[b].nbytes:
+            out[b] = (first[0], values[first[1]].nbytes)
+    return out
 
 
 # Ops whose gradient formula returns a view of their output's gradient (``t``: its transpose;

@@ -58,7 +58,15 @@ graphs; ``from_region.from_region`` builds one from a recorded region.
 #    vocabulary-sized buffers, the head's, the embedding's and their sum). An op whose
 #    formula allocates no input gradient (measured: ``add``, ``clone`` hand their
 #    output's gradient on) makes the gradients starting at its step share that one
-#    buffer, alive until the last of them is consumed. A view op whose formula allocates
+#    buffer, alive until the last of them is consumed; a region input it is handed to
+#    holds it (autograd's input buffer for the input) until the input's next reader
+#    runs. ``sum``'s formula hands on an expanded view of its output's gradient (no
+#    memory): the first contribution summed into the shared buffer is added out of
+#    place, a dense buffer of the reader's size from then on (later ones are added to it
+#    in place), made after that step's formula, when its workspace is freed (measured on
+#    a channels-last ConvNeXt-style stack, loss ``y.sum()``: unmodelled, the residual
+#    stream's gradient was missing from the first block's depthwise convolution's step,
+#    131,072 bytes under its measured peak). A view op whose formula allocates
 #    its input's gradient (``slice``, ``select``: a zero tensor of the input's size;
 #    ``split``, ``unbind``: the concatenation; ``expand``: a sum; ``OWN_GRADIENT_VIEW_OPS``)
 #    gives each output a gradient buffer of its own until the op's step, where the input's

@@ -155,12 +155,23 @@ def test_byte_budget_is_missed_without_workspaces_and_met_with_them(
     assert peak <= budget, (peak, budget)
     assert not said, said
 
+    # Without them, a budget 10% above torch's is missed. (At torch's own, the step peaks
+    # at the first block's convolution whatever the plan, 5 KB under the budget: the plans
+    # the simulator picks without workspaces fit there too, now that it counts the
+    # parameters' gradients; before, it kept the first convolution's output and missed.)
+    above = budget * 11 // 10
+    s.reset()
+    policy, said = _planned(s, above)
+    s.reset()
+    peak = measure(s.step, s.region(policy)).peak_bytes
+    assert peak <= above, (peak, above)
+    assert not said, said
     _without_workspaces(monkeypatch)
-    before, said_before = _planned(s, budget)
+    before, said_before = _planned(s, above)
     assert _largest_workspace(before) == 0
     s.reset()
     missed = measure(s.step, s.region(before)).peak_bytes
-    assert missed > budget, (missed, budget)  # what the simulator did not see
+    assert missed > above, (missed, above)  # what the simulator did not see
     assert any(OVER.search(m) for m in said_before), said_before
 
 
