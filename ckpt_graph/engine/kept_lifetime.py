@@ -173,26 +173,44 @@ def need(region: Region, h: Handle) -> bool:
         return True  # an output is needed already
     # A walk over the op nodes nothing needed yet; those already needed read only intact
     # values (rule 1 keeps them), so it stops there. ``newly`` grows while it is iterated.
+    # Each input is counted as it is visited (undone if the walk fails), so a value reached
+    # again looks needed and its producer is not walked twice; op nodes with several
+    # outputs, reached through any of them, are remembered in ``seen``.
     newly = [node]
-    seen = {p}
+    seen = {p} if len(node.outputs) > 1 else None
     for node in newly:
         for i in node.inputs:
             if i.reason is not None:
                 if i.value is None or (i.superseded and not i.copied):  # not ``intact``
+                    _uncount(newly, node, i)
                     return False
             elif i.saved_refs == 0 and i.recompute_readers == 0:
                 q = i.node_index
                 if q < 0:
+                    _uncount(newly, node, i)
                     return False
-                if q not in seen:
-                    seen.add(q)
-                    producer = nodes[q]
-                    if len(producer.outputs) == 1 or not _live(producer):
+                producer = nodes[q]
+                if len(producer.outputs) == 1:
+                    newly.append(producer)
+                elif seen is None:
+                    seen = {q}
+                    if not _live(producer):
                         newly.append(producer)
-    for node in newly:
-        for i in node.inputs:
+                elif q not in seen:
+                    seen.add(q)
+                    if not _live(producer):
+                        newly.append(producer)
             i.recompute_readers += 1
     return True
+
+
+def _uncount(newly: list[OpNode], node: OpNode, stop: Handle) -> None:
+    """Undo ``need``'s counts, made in walk order, up to input ``stop`` of ``node``."""
+    for n in newly:
+        for i in n.inputs:
+            if n is node and i is stop:
+                return
+            i.recompute_readers -= 1
 
 
 def unneed(region: Region, h: Handle) -> None:
