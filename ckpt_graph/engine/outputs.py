@@ -230,8 +230,8 @@ def decide(
     elif not keep and overwritten is None:
         # ``mark_recompute_inputs``, inlined: it runs for every recomputed op of a policy
         # function. See Note [Kept values live no longer than in eager], rule 4.
-        for h in node.inputs:
-            h.recompute_input = True
+        for i in node.inputs:
+            i.recompute_input = True
         return
     for o, h in zip(out if node.out_is_tuple else (out,), node.outputs, strict=True):
         if h is None:
