@@ -161,37 +161,56 @@ def need(region: Region, h: Handle) -> bool:
         ``intact``: the caller keeps ``h`` instead. See Note [Kept values live no longer
         than in eager], rule 2.
     """
-    nodes = region.nodes
     p = h.node_index
     if p < 0:
         return False
+    nodes = region.nodes
     node = nodes[p]
-    if _live(node):  # a sibling output is needed: the common case of multi-output ops
-        return True
+    # An op node whose only output is a value nothing needs is not live (``_live``): the
+    # common case (the pack hook asks for ``h`` only then), decided without the call.
+    # Likewise for the producers below, reached through such a value.
+    if (len(node.outputs) > 1 or h.saved_refs > 0 or h.recompute_readers > 0) and _live(node):
+        return True  # an output is needed already
     # A walk over the op nodes nothing needed yet; those already needed read only intact
-    # values (rule 1 keeps them), so it stops there.
+    # values (rule 1 keeps them), so it stops there. ``newly`` grows while it is iterated.
+    # Each input is counted as it is visited (undone if the walk fails), so a value reached
+    # again looks needed and its producer is not walked twice; op nodes with several
+    # outputs, reached through any of them, are remembered in ``seen``.
     newly = [node]
-    seen = {p}
-    k = 0
-    while k < len(newly):
-        for i in newly[k].inputs:
-            if i.reason is not None:
-                if not intact(i):
-                    return False
-            elif not (i.saved_refs > 0 or i.recompute_readers > 0):
-                q = i.node_index
-                if q < 0:
-                    return False
-                if q not in seen:
-                    seen.add(q)
-                    producer = nodes[q]
-                    if not _live(producer):
-                        newly.append(producer)
-        k += 1
+    seen = {p} if len(node.outputs) > 1 else None
     for node in newly:
         for i in node.inputs:
+            if i.reason is not None:
+                if i.value is None or (i.superseded and not i.copied):  # not ``intact``
+                    _uncount(newly, node, i)
+                    return False
+            elif i.saved_refs == 0 and i.recompute_readers == 0:
+                q = i.node_index
+                if q < 0:
+                    _uncount(newly, node, i)
+                    return False
+                producer = nodes[q]
+                if len(producer.outputs) == 1:
+                    newly.append(producer)
+                elif seen is None:
+                    seen = {q}
+                    if not _live(producer):
+                        newly.append(producer)
+                elif q not in seen:
+                    seen.add(q)
+                    if not _live(producer):
+                        newly.append(producer)
             i.recompute_readers += 1
     return True
+
+
+def _uncount(newly: list[OpNode], node: OpNode, stop: Handle) -> None:
+    """Undo ``need``'s counts, made in walk order, up to input ``stop`` of ``node``."""
+    for n in newly:
+        for i in n.inputs:
+            if n is node and i is stop:
+                return
+            i.recompute_readers -= 1
 
 
 def unneed(region: Region, h: Handle) -> None:

@@ -18,7 +18,6 @@ from ckpt_graph.engine.debug import checksums
 from ckpt_graph.engine.decisions import resolve
 from ckpt_graph.engine.graph import Handle, OpNode
 from ckpt_graph.engine.holding import hold, hold_new_version
-from ckpt_graph.engine.kept_lifetime import mark_recompute_inputs
 from ckpt_graph.engine.mutation.storage_history import after_write
 from ckpt_graph.engine.mutation.writes import mark_written
 from ckpt_graph.engine.op_info import OpInfo
@@ -229,7 +228,10 @@ def decide(
         keep = True
         reason = graph.RANDOM_WITHOUT_REPLAY
     elif not keep and overwritten is None:
-        mark_recompute_inputs(node.inputs)  # See Note [Kept values live no longer than in eager]
+        # ``mark_recompute_inputs``, inlined: it runs for every recomputed op of a policy
+        # function. See Note [Kept values live no longer than in eager], rule 4.
+        for i in node.inputs:
+            i.recompute_input = True
         return
     for o, h in zip(out if node.out_is_tuple else (out,), node.outputs, strict=True):
         if h is None:
