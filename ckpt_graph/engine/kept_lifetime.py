@@ -15,7 +15,12 @@
 #      such op nodes among ``h``'s readers: an op node with a recomputed output counts in
 #      its inputs from the moment one of those outputs is *needed* (it has a saved tensor,
 #      or a needed op node reads it) until none is (``need`` and ``unneed``, called when a
-#      recomputed value gets its first saved tensor and loses its last one). A recomputed
+#      recomputed value gets its first saved tensor and loses its last one, and by the tag
+#      that makes a needed kept value recomputed: ``Region.tag`` calls ``need`` while the
+#      value is still kept, so that only the producer's other outputs can say it counts
+#      already; called after, the tagged value said so itself, the producer's kept inputs
+#      went uncounted and were freed when the program dropped them, and backward found
+#      them released). A recomputed
 #      op node whose outputs nothing saves (MobileNetV2's ReLU6 and residual adds under a
 #      plan that keeps every saved value) is never counted: its kept inputs go once the
 #      program dropped them and the values recomputed from them (rule 2). Before, any such
@@ -153,7 +158,8 @@ def _live(node: OpNode) -> bool:
 
 
 def need(region: Region, h: Handle) -> bool:
-    """A saved tensor is about to need the recomputed value ``h``, which nothing needed:
+    """A saved tensor is about to need the recomputed value ``h``, which nothing needed (or
+    a tag is about to make the needed kept value ``h`` recomputed: ``h`` is still kept):
     count the op nodes its recomputation newly runs in their inputs' ``recompute_readers``.
 
     Returns:

@@ -259,14 +259,18 @@ class Region:
             if freed is None:
                 h.reason = graph.INPUTS_FREED
                 return
-            for v in (*freed, h):
+            for v in freed:
                 free_kept(self, v)
                 mark_recompute_inputs(self.nodes[v.node_index].inputs)
+            # Needed already: count its producer in its inputs while ``h`` is still kept, or
+            # ``need`` would see ``h`` needed and take the producer as counted.
             if (h.saved_refs > 0 or h.recompute_readers > 0) and not need(self, h):
                 raise CkptGraphError(  # freed_inputs found every value need() would miss
                     f"ckpt_graph: internal error: recomputing {h!r} after a tag reads a freed "
                     "kept value; please report this with the program that triggers it"
                 )
+            free_kept(self, h)
+            mark_recompute_inputs(self.nodes[h.node_index].inputs)
 
     # ----------------------------------------------------------------- backward
     def pack_released(self, h: Handle) -> None:
