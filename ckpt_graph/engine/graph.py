@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._ops import OpOverload
 
+from ckpt_graph._errors import CkptGraphValueError
 from ckpt_graph.engine.op_info import OpInfo
 
 if TYPE_CHECKING:
@@ -271,7 +272,10 @@ class Handle(weakref.ref[torch.Tensor]):
     @ref.setter
     def ref(self, ref: Handle | None) -> None:
         if ref is not None and ref is not self:
-            raise ValueError("ckpt_graph: a handle refers to its own forward tensor only")
+            raise CkptGraphValueError(
+                "ckpt_graph: Handle.ref can only be set to the handle itself (its forward "
+                "tensor) or None (unlinked); pass None to unlink it"
+            )
         self.unlinked = ref is None
 
     @property
