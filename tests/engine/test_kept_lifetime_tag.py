@@ -12,7 +12,7 @@ eager], rule 1). Each test compares gradients with eager, bitwise.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,13 +23,7 @@ import ckpt_graph as cg
 from ckpt_graph import policies
 from ckpt_graph.memory import measure
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tag(t: torch.Tensor, on: bool) -> None:

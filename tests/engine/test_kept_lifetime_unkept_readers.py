@@ -13,7 +13,6 @@ eager, bitwise; the block test measures the step's peak with ``ckpt_graph.memory
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,16 +26,9 @@ import ckpt_graph as cg
 from ckpt_graph.engine import graph
 from ckpt_graph.memory import measure
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 aten = torch.ops.aten
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Small ops on a busy machine: OpenMP threads waiting for each other cost more than the work.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class InvertedResidual(nn.Module):
