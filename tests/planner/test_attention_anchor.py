@@ -130,19 +130,20 @@ def test_budget_at_megatrons_peak_recomputes_no_more_flops_than_megatron() -> No
     assert plan_flops <= mega_flops, (plan_flops, mega_flops, report.method)
 
 
-def _hf_workload() -> Workload:
-    # transformers' GPT-2 with eager attention and attention dropout; head size 8, 512
-    # tokens: the T x T scores, probabilities and float dropout masks dominate (before
-    # Note [Values without gradients] the simulator was 15-22% above the measured peak)
+def eager_gpt2(heads: int = 8, seq_len: int = 512) -> Workload:
+    """transformers' GPT-2 with eager attention and attention dropout, 2 layers of width 64:
+    the T x T scores, probabilities and float dropout masks dominate (before Note [Values
+    without gradients] the simulator was 15-22% above the measured peak at head size 8,
+    512 tokens)."""
     pytest.importorskip("transformers")
     torch.manual_seed(0)
     return build_workload(
         "hf-gpt2",
         layers=2,
         width=64,
-        heads=8,
+        heads=heads,
         batch=1,
-        seq_len=512,
+        seq_len=seq_len,
         dropout=0.1,
         eager_attention=True,
     )
@@ -153,7 +154,7 @@ def test_simulator_gives_masks_no_gradient_on_eager_gpt2(policy: str) -> None:
     # the dropout masks (empty_like, bernoulli_, div_) and the additive causal mask (where of
     # a boolean mask and constants) get no gradient in autograd: counted as gradient
     # buffers, each attention layer's backward held one T x T tensor more than it does
-    w = _hf_workload()
+    w = eager_gpt2()
     pol: Any = {
         "recompute_all": "recompute_all",
         "megatron": save_ops(aten.addmm, aten.mm),
@@ -169,7 +170,7 @@ def test_budget_at_megatrons_peak_on_transformers_gpt2() -> None:
     # Megatron's plan (keep the linear layers' outputs) measured on transformers' GPT-2, the
     # loss in the region; memory_budget given that measured step peak in bytes measures at
     # or below it and recomputes no more FLOPs, gradients equal to no checkpointing's.
-    w = _hf_workload()
+    w = eager_gpt2()
 
     def loss_forward(policy: object | None) -> Callable[[], object]:
         def forward() -> object:

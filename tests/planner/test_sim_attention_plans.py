@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+from test_attention_anchor import eager_gpt2
 from test_liveness import predicted_peak, run_region
 
 import ckpt_graph as cg
-from ckpt_graph.compare.zoo import Workload, build_workload
+from ckpt_graph.compare.zoo import Workload
 from ckpt_graph.planner.from_region import kept_ops_of
 from ckpt_graph.policies import memory_budget
 
@@ -29,18 +30,7 @@ HEADS = 4
 
 
 def _workload() -> Workload:
-    pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    return build_workload(
-        "hf-gpt2",
-        layers=2,
-        width=64,
-        heads=HEADS,
-        batch=1,
-        seq_len=SEQ,
-        dropout=0.1,
-        eager_attention=True,
-    )
+    return eager_gpt2(HEADS, SEQ)
 
 
 def _square_kept(run: Any) -> tuple[int, int]:
