@@ -27,7 +27,6 @@ from ckpt_graph.planner.budget_report import BudgetReport
 from ckpt_graph.planner.cost_model import machine_flops_per_byte, recorded_costs
 from ckpt_graph.planner.local_search import Refinement
 from ckpt_graph.planner.menus import warm_kept
-from ckpt_graph.planner.param_grads import without_param_grads
 from ckpt_graph.planner.plans import make_plan
 from ckpt_graph.planner.records import (
     Option,
@@ -215,10 +214,8 @@ class BudgetPlanner:
         """The block's graph as the planner sees it, with the ops the plan may decide; a
         byte budget's with its ops' measured workspaces (Note [Workspaces in budget
         planning])."""
-        graph = region_graph(region, run, self.op_costs(region, run), not self._fraction)
-        if self._fraction:  # See Note [Parameters' gradients in backward] rule 5.
-            graph.g = without_param_grads(graph.g)
-        return graph
+        byte_budget = not self._fraction  # See Note [Parameters' gradients in backward] rule 5.
+        return region_graph(region, run, self.op_costs(region, run), byte_budget, byte_budget)
 
     def op_costs(self, region: Region, run: Run) -> dict[int, int]:
         """Recompute cost per op index of the block. See Note [Recompute cost model]."""

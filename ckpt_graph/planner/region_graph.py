@@ -50,6 +50,7 @@ from ckpt_graph.planner.blocks import find_blocks
 from ckpt_graph.planner.from_region import unmeasured_graph, with_workspaces
 from ckpt_graph.planner.hand_seeds import hand_seeds
 from ckpt_graph.planner.liveness import simulate
+from ckpt_graph.planner.param_grads import without_param_grads
 from ckpt_graph.planner.records import RegionGraph, UnmeasuredGraph
 from ckpt_graph.planner.sim_graph import SimGraph
 from ckpt_graph.planner.solve import candidate_ops
@@ -94,14 +95,20 @@ def input_bytes(region: Region, since: int, storages: set[int]) -> int:
 
 
 def region_graph(
-    region: Region, run: Run, costs: dict[int, int], workspaces: bool = False
+    region: Region,
+    run: Run,
+    costs: dict[int, int],
+    workspaces: bool = False,
+    param_grads: bool = True,
 ) -> RegionGraph:
     """The graph of ``run``'s block as the planner sees it, with the ops the plan may decide.
 
     ``costs``: recompute cost per op index (Note [Recompute cost model]). ``workspaces``:
     the graph is to have its ops' measured workspaces (a byte budget's): those this
     process measured are in it at once; otherwise ``RegionGraph.unmeasured`` measures
-    them later (Note [Workspaces in budget planning]).
+    them later (Note [Workspaces in budget planning]). ``param_grads``: the graph counts the
+    parameters' gradients the step makes (a byte budget's; a fraction's does not: Note
+    [Parameters' gradients in backward] rule 5).
     """
     end = len(region.nodes)
     free = []
@@ -117,6 +124,8 @@ def region_graph(
     signatures = OpSignatures(region) if workspaces else None
     known = signatures.known() if signatures is not None else None
     g = with_workspaces(base, known)
+    if not param_grads:
+        g = without_param_grads(g)
     views = {  # See Note [Kept views]; detach ops have no position (-1); never candidates
         j: run.positions.get(j, -1)
         for j in free

@@ -135,8 +135,10 @@ def _without_workspaces(monkeypatch: pytest.MonkeyPatch) -> None:
     """The budget planner as before: byte budgets planned without measured workspaces."""
     build = budget_planner.region_graph
 
-    def unmeasured(region: Any, run: Any, costs: Any, workspaces: bool = False) -> Any:
-        return build(region, run, costs, False)
+    def unmeasured(
+        region: Any, run: Any, costs: Any, workspaces: bool = False, param_grads: bool = True
+    ) -> Any:
+        return build(region, run, costs, False, param_grads)
 
     monkeypatch.setattr(budget_planner, "region_graph", unmeasured)
 
