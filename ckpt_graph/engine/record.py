@@ -42,11 +42,8 @@ except ImportError:  # pragma: no cover - builds without dynamo
 _ONES_LIKE = torch.ops.aten.ones_like.default
 _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 _Tensor = torch.Tensor
-_RECORDED = (
-    torch.Tensor,
-    tuple,
-    list,
-)  # results with tensors to record (one tuple, not one per op)
+# Results with tensors to record: one tuple for every op, not one built per op.
+_RECORDED = (torch.Tensor, tuple, list)
 _NO_KWARGS: dict[str, Any] = {}  # shared by every op node called without keywords; never written
 
 # Note [One recording path]
