@@ -21,7 +21,6 @@ from ckpt_graph.engine.holding import hold, hold_new_version
 from ckpt_graph.engine.mutation.storage_history import after_write
 from ckpt_graph.engine.mutation.writes import mark_written
 from ckpt_graph.engine.op_info import OpInfo
-from ckpt_graph.engine.passes import ONE_ROWS, number_node, one_row
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
@@ -58,8 +57,8 @@ def record_node(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> OpNode:
-    """Append the op node of one call, with a handle per tensor output, and its row of the
-    pass graph (see Note [Values numbered as recorded])."""
+    """Append the op node of one call, with a handle per tensor output, numbered (see Note
+    [Values numbered as recorded])."""
     nodes = region.nodes
     index = len(nodes)
     # A constant policy stack decides every op alike; ``decide`` asks callable ones.
@@ -76,8 +75,7 @@ def record_node(
     if info.writes:
         previous = mark_written(region, info, h_args, h_kwargs, args, kwargs)
     recording = region.recording
-    pass_state = region.pass_state
-    values = pass_state.handles  # See Note [Values numbered as recorded].
+    values = region.pass_state.handles  # See Note [Values numbered as recorded].
     if isinstance(out, _Tensor):
         v = len(values)
         h = _new_handle(Handle, out)  # See Note [Objects made per op].
@@ -121,22 +119,6 @@ def record_node(
         node.stack = "".join(traceback.format_stack(limit=14)[:-4])
         node.checksums = checksums(out if v < 0 else (out,))
     nodes.append(node)
-    if v < 0:
-        number_node(pass_state, node)
-        return node
-    # ``number_node`` for one output, inlined: it runs for nearly every op.
-    rows = ONE_ROWS
-    n = len(inputs)
-    if n == 1:
-        i = inputs[0].number
-        ins: tuple[int, ...] = rows[i] if i < len(rows) else one_row(i)
-    elif n == 2:
-        ins = (inputs[0].number, inputs[1].number)
-    else:
-        ins = tuple([i.number for i in inputs])
-    pass_state.node_inputs.append(ins)
-    pass_state.node_outputs.append(rows[v] if v < len(rows) else one_row(v))
-    pass_state.transient_ok.append(info.may_be_transient)
     return node
 
 

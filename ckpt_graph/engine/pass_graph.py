@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, MutableSequence, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 __all__ = [
+    "NodeRows",
     "PassGraph",
+    "Rows",
     "collect",
     "count_uses",
     "free_use",
@@ -55,8 +58,30 @@ class PassGraph:
     transient_ok: Sequence[bool]
 
 
+class Rows(Protocol):
+    """What the use-count sweep reads of a graph: per op node, its input and output values
+    (a :class:`PassGraph`, or :class:`NodeRows` where the per-value facts are not needed)."""
+
+    @property
+    def inputs(self) -> Sequence[Sequence[int]]:
+        """Per op node, the distinct values it reads."""
+        ...
+
+    @property
+    def outputs(self) -> Sequence[Sequence[int]]:
+        """Per op node, the values it makes."""
+        ...
+
+
+class NodeRows(NamedTuple):
+    """A graph's op node rows alone (:class:`Rows`): ``PassGraph.inputs`` and ``outputs``."""
+
+    inputs: Sequence[Sequence[int]]
+    outputs: Sequence[Sequence[int]]
+
+
 def count_uses(
-    g: PassGraph,
+    g: Rows,
     kept: Sequence[bool],
     uses: MutableSequence[int],
     *,
@@ -80,14 +105,26 @@ def count_uses(
     inputs, outputs = g.inputs, g.outputs
     runs = [False] * len(outputs)
     for j in range(len(outputs) - 1, -1, -1):
-        needed = False
-        for o in outputs[j]:
-            if not kept[o] and uses[o] > 0 and (taken is None or not taken(o)):
-                needed = True
-        if needed:
-            runs[j] = True
+        if taken is None:
+            for o in outputs[j]:
+                if uses[o] > 0 and not kept[o]:
+                    break
+            else:
+                continue
+        else:
+            needed = False
+            for o in outputs[j]:  # no break: ``taken`` sees every pending output
+                if not kept[o] and uses[o] > 0 and not taken(o):
+                    needed = True
+            if not needed:
+                continue
+        runs[j] = True
+        if all_inputs:
             for i in inputs[j]:
-                if all_inputs or not kept[i]:
+                uses[i] += 1
+        else:
+            for i in inputs[j]:
+                if not kept[i]:
                     uses[i] += 1
     return runs
 
@@ -273,7 +310,7 @@ def free_use(
             stack.extend(inputs[p])
 
 
-def is_dead(g: PassGraph, live_uses: Sequence[int], may_run: Sequence[bool], j: int) -> bool:
+def is_dead(g: Rows, live_uses: Sequence[int], may_run: Sequence[bool], j: int) -> bool:
     """Whether op node ``j`` never runs again: no recomputed output needs it and no kept
     output has a live use (Note [Kept values changed after the region] may recompute a
     kept output still in use)."""

@@ -63,7 +63,7 @@ from ckpt_graph.engine import cache_bound
 from ckpt_graph.engine.graph import version_of
 from ckpt_graph.engine.holding import detached, free_kept
 from ckpt_graph.engine.pass_core import Executor, Pass
-from ckpt_graph.engine.pass_graph import PassGraph, count_uses, is_dead, last_readers
+from ckpt_graph.engine.pass_graph import NodeRows, PassGraph, count_uses, is_dead, last_readers
 from ckpt_graph.engine.pass_graph import free_use as _free_use
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ __all__ = [
     "end_pass",
     "free_use",
     "live_forward",
-    "number_node",
+    "number_nodes",
     "one_row",
     "pass_graph",
 ]
@@ -116,9 +116,9 @@ class PassState:
         graph: the region's graph numbered for the pass rules (``pass_graph``).
         handles: the region's values by number (``Handle.number``), in the order they were
             made (see Note [Values numbered as recorded]).
-        node_inputs: per op node, the numbers of its distinct input values.
-        node_outputs: per op node, the numbers of its tensor outputs.
-        transient_ok: per op node, whether its output may be transient (``PassGraph``).
+        node_inputs: per op node numbered so far (``number_nodes``), the numbers of its
+            distinct input values.
+        node_outputs: likewise, the numbers of its tensor outputs.
         kept: from region exit on, per value, whether it is kept now (a changed kept value
             becomes recomputed at a pass's start: Note [Kept values changed after the
             region]).
@@ -145,7 +145,6 @@ class PassState:
         "numbered",
         "recomputed_ops",
         "task",
-        "transient_ok",
     )
 
     def __init__(self) -> None:
@@ -158,7 +157,6 @@ class PassState:
         self.handles: list[Handle] = []  # See Note [Values numbered as recorded].
         self.node_inputs: list[tuple[int, ...]] = []
         self.node_outputs: list[tuple[int, ...]] = []
-        self.transient_ok: list[bool] = []
         self.kept: list[bool] = []
         self.live_uses: list[int] = []  # See Note [Releasing kept values].
         self.may_run: list[bool] = []
@@ -189,16 +187,20 @@ class PassState:
 # The pass rules work on integers (Note [One pass core]). A handle gets its number when it
 # is made (``Handle.number``, its position in ``PassState.handles``): region inputs as the
 # region first sees them, op node outputs as the op node is recorded, so the numbers follow
-# the forward. Each recorded op node appends its row of the pass graph at once: the numbers
-# of its distinct inputs and of its outputs (``number_node``; ``record_node`` inlines it
-# for an op with one tensor output, nearly every op). Region exit then only wraps these
-# rows (``pass_graph``): no walk over the op nodes and no dictionary from handles to
-# numbers. The rows cost no object per op where they can be shared: the one-value row
-# ``(v,)``, an op node's only output or only input, is the same tuple in every region
-# (``one_row``: a table grown on demand up to ``ONE_ROWS_MAX`` numbers, about 5 MB at most,
-# beyond which rows are made per op), so only ops with two or more inputs or outputs make
-# a row of their own. Per-op tuples counted towards the garbage collector's passes and made
-# numbering cost more than the numbers themselves (Note [Objects made per op]).
+# the forward. The op node rows of the pass graph (per op node, the numbers of its distinct
+# inputs and of its outputs) are not appended while recording: ``number_nodes`` makes the
+# rows of the op nodes recorded since it last ran in one sweep over them, at region exit or
+# when a pass or the planner first asks. Values are never renumbered and no rule changes an
+# op node's ``inputs`` or ``outputs`` once it is recorded, so rows made before stay valid.
+# Region exit's sweep of live uses reads only these rows (``pass_graph.NodeRows``); the
+# per-value lists (producer, bytes, views) and the op nodes' transient flags are made by
+# ``pass_graph`` when a pass, a freed saved tensor's release or the planner first needs
+# them, and memoized while the region records nothing new. The rows cost no object per op
+# where they can be shared: the one-value row ``(v,)``, an op node's only output or only
+# input, is the same tuple in every region (``one_row``: a table grown on demand up to
+# ``ONE_ROWS_MAX`` numbers, about 5 MB at most, beyond which rows are made per op), so only
+# ops with two or more inputs or outputs make a row of their own: per-op tuples count
+# towards the garbage collector's passes (Note [Objects made per op]).
 
 
 ONE_ROWS: list[tuple[int]] = []  # ONE_ROWS[v] == (v,); grown only by ``one_row``
@@ -226,25 +228,35 @@ def one_row(v: int) -> tuple[int]:
     return ONE_ROWS[v]
 
 
-def number_node(state: PassState, node: OpNode) -> None:
-    """Append the pass graph row of a recorded op node, whose outputs are numbered. See
-    Note [Values numbered as recorded]."""
-    outs = node.outputs
-    if len(outs) == 1 and outs[0] is not None:
-        row: tuple[int, ...] = one_row(outs[0].number)
-        state.transient_ok.append(node.info.may_be_transient)
-    else:
-        row = tuple([o.number for o in outs if o is not None])
-        state.transient_ok.append(False)
-    inputs = node.inputs
-    if len(inputs) == 1:
-        ins: tuple[int, ...] = one_row(inputs[0].number)
-    elif len(inputs) == 2:
-        ins = (inputs[0].number, inputs[1].number)
-    else:
-        ins = tuple([i.number for i in inputs])
-    state.node_inputs.append(ins)
-    state.node_outputs.append(row)
+def number_nodes(state: PassState, nodes: list[OpNode]) -> None:
+    """Append the pass graph rows of the op nodes recorded since the last call, whose
+    inputs and outputs are numbered. See Note [Values numbered as recorded]."""
+    start = len(state.node_inputs)
+    if start == len(nodes):
+        return
+    new = nodes[start:] if start else nodes
+    if len(state.handles) <= ONE_ROWS_MAX:
+        one = ONE_ROWS
+        if len(one) < len(state.handles):
+            one_row(len(state.handles) - 1)  # grows the table to every number
+        # One-value rows from the table, two-value rows made, longer rows from a list.
+        state.node_inputs += [
+            one[i[0].number]
+            if len(i := n.inputs) == 1
+            else (i[0].number, i[1].number)
+            if len(i) == 2
+            else tuple([h.number for h in i])
+            for n in new
+        ]
+        state.node_outputs += [
+            tuple([h.number for h in n.outputs if h is not None])
+            if n.out_is_tuple
+            else one[n.outputs[0].number]  # type: ignore[union-attr]  # one tensor: one handle
+            for n in new
+        ]
+    else:  # beyond the table: every row made
+        state.node_inputs += [tuple([h.number for h in n.inputs]) for n in new]
+        state.node_outputs += [tuple([h.number for h in n.outputs if h is not None]) for n in new]
 
 
 def pass_graph(region: Region) -> tuple[PassGraph, list[Handle]]:
@@ -252,9 +264,11 @@ def pass_graph(region: Region) -> tuple[PassGraph, list[Handle]]:
     while the region records nothing new. See Note [Values numbered as recorded]."""
     state = region.pass_state
     handles = state.handles
+    nodes = region.nodes
     g = state.graph
-    if g is not None and state.numbered == (len(state.node_inputs), len(handles)):
+    if g is not None and state.numbered == (len(nodes), len(handles)):
         return g, handles
+    number_nodes(state, nodes)
     g = PassGraph(
         inputs=list(state.node_inputs),
         outputs=list(state.node_outputs),
@@ -262,10 +276,13 @@ def pass_graph(region: Region) -> tuple[PassGraph, list[Handle]]:
         nbytes=[h.nbytes for h in handles],
         view=[h.is_view for h in handles],
         has_views=[h.has_views for h in handles],
-        transient_ok=list(state.transient_ok),
+        transient_ok=[
+            n.info.may_be_transient if len(o := n.outputs) == 1 and o[0] is not None else False
+            for n in nodes
+        ],
     )
     state.graph = g
-    state.numbered = (len(state.node_inputs), len(handles))
+    state.numbered = (len(nodes), len(handles))
     return g, handles
 
 
@@ -498,10 +515,14 @@ def count_live_uses(region: Region) -> None:
     unneeded kept values and the generator states of op nodes that never run.
 
     The sweep is the pass's (``pass_graph.count_uses``, Note [One pass core]), counting
-    kept inputs too. See Note [Releasing kept values].
+    kept inputs too. It reads the op node rows only: the per-value facts of the pass graph
+    wait for ``pass_graph``, at the first pass or freed saved tensor that needs them (Note
+    [Values numbered as recorded]). See Note [Releasing kept values].
     """
-    g, handles = pass_graph(region)
     state = region.pass_state
+    handles = state.handles
+    number_nodes(state, region.nodes)
+    g = NodeRows(state.node_inputs, state.node_outputs)
     kept = [h.reason is not None for h in handles]
     live_uses = [h.saved_refs for h in handles]
     state.may_run = count_uses(g, kept, live_uses, all_inputs=True)

@@ -42,6 +42,8 @@ except ImportError:  # pragma: no cover - builds without dynamo
 _ONES_LIKE = torch.ops.aten.ones_like.default
 _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 _Tensor = torch.Tensor
+# Results with tensors to record: one tuple for every op, not one built per op.
+_RECORDED = (torch.Tensor, tuple, list)
 _NO_KWARGS: dict[str, Any] = {}  # shared by every op node called without keywords; never written
 
 # Note [One recording path]
@@ -175,7 +177,7 @@ class Recorder(TorchDispatchMode):
             out = entry.call(*args, **kwargs)
         else:
             out = entry.call(*args)
-        if not isinstance(out, (_Tensor, tuple, list)):
+        if not isinstance(out, _RECORDED):
             return out  # no tensor output (item(), sizes): nothing to recompute
         info = entry.info
         node = record_node(region, func, info, h_args, h_kwargs, inputs, out, rng, args, kwargs)

@@ -1,8 +1,9 @@
 """Values numbered as they are recorded (Note [Values numbered as recorded]).
 
-The pass graph the engine runs its passes on is appended op node by op node while the region
-records; these tests check it against a numbering made afresh from the recorded op nodes,
-with region inputs seen between op nodes and an op node the engine adds (a rebased view).
+Values are numbered as the region records them and the pass graph's rows are made from the
+recorded op nodes at region exit (or when first asked); these tests check the graph against
+a numbering made afresh from the op nodes, with region inputs seen between op nodes, an op
+node the engine adds (a rebased view), and rows asked for while the region still records.
 """
 
 from __future__ import annotations
@@ -69,3 +70,24 @@ def test_rows_include_an_op_node_the_engine_adds() -> None:
     x2.mul_(3)
     ((v2 * v2).sum() + x2.sum()).backward()
     torch.testing.assert_close(inp.grad, inp2.grad, rtol=0, atol=0)
+
+
+def test_rows_asked_for_while_recording_are_extended_at_exit() -> None:
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, 3, requires_grad=True)
+    with cg.save_recompute_policy("recompute_all") as region:
+        a = torch.sin(x)
+        early, _ = pass_graph(region)  # the planner may ask before the region closes
+        assert len(early.inputs) == len(region.nodes) == 1
+        y = (a @ w).relu() * a  # ``w`` is first seen after the rows were made
+    state = region.pass_state
+    # Exit counted live uses from the op node rows alone; the rest waits for a pass.
+    assert len(state.node_inputs) == len(region.nodes)
+    assert state.numbered[0] == 1
+    _check_rows(region)
+    y.sum().backward()
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    a2 = torch.sin(x2)
+    ((a2 @ w2).relu() * a2).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=0, atol=0)

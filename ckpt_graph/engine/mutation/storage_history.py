@@ -16,7 +16,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph.engine.graph import Handle, OpNode
 from ckpt_graph.engine.op_info import UNANNOTATED_ALIASES, OpInfo, op_info
-from ckpt_graph.engine.passes import number_node
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
@@ -146,7 +145,6 @@ def rebase(region: Region, t: torch.Tensor, old: Handle) -> Handle | None:
     node.decided_by = "engine"
     node.module_path = region.module_stack.current_path
     region.nodes.append(node)
-    number_node(region.pass_state, node)
     history.roots.add(h)
     return h
 
