@@ -37,7 +37,19 @@
 #      looks again when it goes), and no longer: MobileNetV2's residual sums, which nothing
 #      saves, let the kept block outputs go when the program drops the stage's last sum.
 #      Freeing it earlier made the engine keep ``y`` instead of the plan's ``h`` (the plan
-#      and its simulation then disagreed). A kept value overwritten in place without a copy
+#      and its simulation then disagreed). Such a held ``y`` only needs ``h`` if something
+#      saves it (or a value recomputed from it) later, and then the pack hook has ``y``'s
+#      tensor: it can keep ``y`` itself, what eager saves. So ``y`` holds ``h`` only while
+#      that is worth it (``_worth_holding``): every kept value ``y``'s recomputation reads
+#      is ``intact`` (else ``need`` fails and a save keeps ``y`` anyway), and those that
+#      only such a recomputation can read (tensor gone, no saved tensor or needed
+#      recomputation) total no more bytes than keeping ``y`` (its base's, for a view)
+#      would hold. A plan that keeps ``h`` for a later save of ``y`` holds no more than
+#      ``y`` for it (else keeping ``y`` would be cheaper and recompute less), so plans are
+#      followed; a chain of residual sums that nothing saves (``h = h + f(h)``, ``f``'s
+#      kept output read only by the sum) reads a second such value one layer on, and lets
+#      them go as eager does (8 layers under ``save_ops(mm, constant_pad_nd)``: 311,368 ->
+#      213,056 bytes, no checkpointing's peak). A kept value overwritten in place without a copy
 #      (rule 4) can still be read that way: ``need`` walks the recomputed values that a
 #      save newly needs, and if one of the kept values they read is not ``intact``, it
 #      changes nothing and the pack hook keeps the saved value itself, the tensor autograd
@@ -71,15 +83,18 @@
 #      a kept value goes after the last saved tensor whose recomputation reads it).
 # So a region holds, during its forward, what eager holds (the program's tensors and the
 # saved ones), plus the aliases' metadata, the kept values saved tensors need through
-# recomputed ones, and those the program's tensors were recomputed from; in backward it
-# frees kept values as autograd frees saved tensors.
+# recomputed ones, and those the program's tensors were recomputed from (no more bytes than
+# those tensors, rule 2); in backward it frees kept values as autograd frees saved tensors.
 # ``kept_bytes`` still counts what the policies decided to keep (budgets compare plans by
 # it), not what is held now; a value kept by rule 2 adds its bytes.
 # Known limitations: a kept value stays while the program holds a value recomputed from
-# it, also when nothing will save that value (eager frees the kept value at once): a chain
-# of residual sums that nothing saves, held to the end of the forward, holds every kept
-# value it was computed from. Values kept in host memory (offload on CUDA) are not watched:
-# their copies are freed at the exit.
+# it that is worth holding it for (rule 2), also when nothing will save that value: up to
+# that value's bytes per held value (one layer of a residual chain), more only through
+# several live values each worth it. When one of the values a held value stays for goes,
+# the others it held stay until the program drops it (they are looked at again then). A
+# plan that keeps several values for a later save of one smaller recomputed value (or one
+# value for several) is not followed: the saved value is kept itself. Values kept in host
+# memory (offload on CUDA) are not watched: their copies are freed at the exit.
 """
 
 from __future__ import annotations
@@ -281,7 +296,7 @@ def _watch_descendant(
 
 def _live_descendant(h: Handle, nodes: list[OpNode]) -> torch.Tensor | None:
     """A tensor the program still holds of a value recomputed from ``h`` (through recomputed
-    values only), or ``None``.
+    values only) that is worth holding ``h`` for (``_worth_holding``), or ``None``.
 
     Op nodes recorded after ``h``'s producer, scanned when its tensor goes and again when
     that descendant goes: a kept value whose tensor lives long (a skip connection) costs a
@@ -299,10 +314,49 @@ def _live_descendant(h: Handle, nodes: list[OpNode]) -> torch.Tensor | None:
         for o in node.outputs:
             if o is not None and o.reason is None:
                 t = o.ref() if o.ref is not None else None
-                if t is not None:
+                if t is not None and _worth_holding(o, nodes):
                     return t
                 sources.add(o.number)
     return None
+
+
+def _worth_holding(y: Handle, nodes: list[OpNode]) -> bool:
+    """Whether the kept values that recomputing the live value ``y`` would read, and that
+    nothing but such a recomputation can read any more, are worth holding for ``y``: all
+    ``intact`` (else a save of ``y`` keeps ``y`` itself anyway, ``need`` fails) and no more
+    bytes than keeping ``y`` would hold. See Note [Kept values live no longer than in
+    eager], rule 2.
+    """
+    base = y
+    while base.base is not None:
+        base = base.base
+    budget = base.nbytes  # keeping a view keeps its base's storage
+    held = 0
+    seen: set[int] = set()
+    stack = [y]
+    while stack:
+        v = stack.pop()
+        if v.node_index < 0:
+            continue
+        for i in nodes[v.node_index].inputs:
+            if i.number in seen:
+                continue
+            seen.add(i.number)
+            if i.reason is None:
+                if i.saved_refs == 0 and i.recompute_readers == 0:
+                    stack.append(i)  # needed values read only intact ones (rule 1)
+            elif i.value is None or (i.superseded and not i.copied):  # not ``intact``
+                return False
+            elif (
+                i.node_index >= 0
+                and i.offload_device is None
+                and not may_read(i)
+                and (i.ref is None or i.ref() is None)
+            ):
+                held += i.nbytes
+                if held > budget:
+                    return False
+    return True
 
 
 def _descendant_dropped(r: weakref.ref[torch.Tensor]) -> None:
