@@ -81,6 +81,16 @@
 #      values]) frees the kept values that nothing reads from then on, and autograd's
 #      releases free the rest (``pass_graph.free_use`` follows the same chains as rule 1:
 #      a kept value goes after the last saved tensor whose recomputation reads it).
+#   6. The counts matter only once a value they protect can go: a kept op output (rule 3)
+#      or a kept value an in-place op writes over (rule 4), or a tag reads them. Until then
+#      (``RecordingState.counting`` off: a region that recomputes everything, or keeps only
+#      its inputs so far) the pack hook calls no ``need`` and a freed saved tensor no
+#      ``unneed``; the first kept op output (``watch``), in-place op or tag calls
+#      ``count_readers``, which replays ``need`` for the values saved tensors refer to now,
+#      in the order of their first saves, each looking unsaved until its turn, so the counts
+#      are those the pack hook would have made. Nothing was freed or overwritten before, so
+#      every walk succeeds. On the 1,500-op chain of ``bench_overhead_instructions.py``
+#      under ``recompute_all`` this saves the walk at each of its 500 first saves.
 # So a region holds, during its forward, what eager holds (the program's tensors and the
 # saved ones), plus the aliases' metadata, the kept values saved tensors need through
 # recomputed ones, and those the program's tensors were recomputed from (no more bytes than
@@ -99,6 +109,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import weakref
 from collections.abc import Iterable
@@ -106,12 +117,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ckpt_graph._errors import CkptGraphError
+
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import Handle, OpNode
     from ckpt_graph.engine.mutation.storage_history import StorageHistory
     from ckpt_graph.engine.region import Region
 
 __all__ = [
+    "count_readers",
     "drop_if_unread",
     "freed_inputs",
     "intact",
@@ -257,10 +271,44 @@ def unneed(region: Region, h: Handle) -> None:
                     drop_if_unread(region, i)
 
 
+def count_readers(region: Region) -> None:
+    """Start keeping ``Handle.recompute_readers`` up to date, if not yet: count what the
+    region's saved tensors need now, as ``need`` would have at each first save. See Note
+    [Kept values live no longer than in eager], rule 6."""
+    recording = region.recording
+    if recording.counting:
+        return
+    recording.counting = True
+    # Replayed in the order of first saves, each value looking unsaved until its turn (as
+    # when the pack hook called ``need``); no garbage collection meanwhile, whose freeing
+    # of a saved tensor (``Packed.__del__``) would count against a hidden ``saved_refs``.
+    pending = [h for h in dict.fromkeys(region.saved_log.handles) if h.reason is None]
+    refs = [h.saved_refs for h in pending]
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for h in pending:
+            h.saved_refs = 0
+        for h, n in zip(pending, refs, strict=True):
+            if n > 0 and h.recompute_readers == 0 and not need(region, h):
+                raise CkptGraphError(  # nothing was freed or overwritten before this call
+                    f"ckpt_graph: internal error: counting the readers of {h!r} found a "
+                    "freed kept value; please report this with the program that triggers it"
+                )
+            h.saved_refs = n
+    finally:
+        for h, n in zip(pending, refs, strict=True):
+            h.saved_refs = n
+        if collecting:
+            gc.enable()
+
+
 def watch(region: Region, h: Handle, t: torch.Tensor) -> None:
     """Free the kept value of ``h`` when the program drops ``t``, its forward tensor, if
     nothing reads it then. See Note [Kept values live no longer than in eager], rule 3."""
     recording = region.recording
+    if not recording.counting:
+        count_readers(region)
     r = _KeptRef(t, _forward_tensor_dropped)
     r.handle = h
     r.storages = recording.storages
