@@ -44,12 +44,14 @@
 #      is ``intact`` (else ``need`` fails and a save keeps ``y`` anyway), and those that
 #      only such a recomputation can read (tensor gone, no saved tensor or needed
 #      recomputation) total no more bytes than keeping ``y`` (its base's, for a view)
-#      would hold. A plan that keeps ``h`` for a later save of ``y`` holds no more than
-#      ``y`` for it (else keeping ``y`` would be cheaper and recompute less), so plans are
-#      followed; a chain of residual sums that nothing saves (``h = h + f(h)``, ``f``'s
-#      kept output read only by the sum) reads a second such value one layer on, and lets
-#      them go as eager does (8 layers under ``save_ops(mm, constant_pad_nd)``: 311,368 ->
-#      213,056 bytes, no checkpointing's peak). A kept value overwritten in place without a copy
+#      would hold; when ``h`` goes, so do the others held for a live value not worth them
+#      (``_free``). A plan keeps values only for a later save of ``y`` only if they total
+#      no more than ``y`` (keeping ``y`` would cost fewer bytes and no recompute), so plans
+#      are still followed (test_budget: the kept ops and recomputations are the plan's). A
+#      chain of residual sums that nothing saves (``h = h + f(h)``, ``f``'s kept output
+#      read only by the sum) reads a second such value one layer on, and lets them go as
+#      eager does (8 layers under ``save_ops(mm, constant_pad_nd)``: 311,368 -> 213,056
+#      bytes, no checkpointing's peak). A kept value overwritten in place without a copy
 #      (rule 4) can still be read that way: ``need`` walks the recomputed values that a
 #      save newly needs, and if one of the kept values they read is not ``intact``, it
 #      changes nothing and the pack hook keeps the saved value itself, the tensor autograd
@@ -98,13 +100,11 @@
 # ``kept_bytes`` still counts what the policies decided to keep (budgets compare plans by
 # it), not what is held now; a value kept by rule 2 adds its bytes.
 # Known limitations: a kept value stays while the program holds a value recomputed from
-# it that is worth holding it for (rule 2), also when nothing will save that value: up to
-# that value's bytes per held value (one layer of a residual chain), more only through
-# several live values each worth it. When one of the values a held value stays for goes,
-# the others it held stay until the program drops it (they are looked at again then). A
-# plan that keeps several values for a later save of one smaller recomputed value (or one
-# value for several) is not followed: the saved value is kept itself. Values kept in host
-# memory (offload on CUDA) are not watched: their copies are freed at the exit.
+# it that is worth holding it for (rule 2), also when nothing will save that value: no
+# more bytes than that value's for each such value the program holds (one layer of a
+# residual chain). A plan that keeps values for several later saves, worth it only
+# together, is not followed: each saved value is kept itself. Values kept in host memory
+# (offload on CUDA) are not watched: their copies are freed at the exit.
 """
 
 from __future__ import annotations
@@ -319,20 +319,43 @@ def watch(region: Region, h: Handle, t: torch.Tensor) -> None:
 def _forward_tensor_dropped(r: weakref.ref[torch.Tensor]) -> None:
     h: Handle = r.handle  # type: ignore[attr-defined]
     if not may_read(h) and h.offload_device is None and not _rebase_may_read(r.storages, h):  # type: ignore[attr-defined]
-        later = _watch_descendant(h, r.nodes, r.storages)  # type: ignore[attr-defined]
+        unheld: list[Handle] = []
+        later = _watch_descendant(h, r.nodes, r.storages, unheld)  # type: ignore[attr-defined]
         if later is None:
-            h.value = None
+            _free(h, unheld, r.nodes, r.storages)  # type: ignore[attr-defined]
         else:
             r.later = later  # type: ignore[attr-defined]
 
 
+def _free(
+    h: Handle, unheld: list[Handle], nodes: list[OpNode], storages: dict[int, StorageHistory]
+) -> None:
+    """Free the kept value of ``h``, then those ``unheld``: held for live values that were
+    not worth holding ``h`` for (``_worth_holding``), and that no other live value holds
+    now. See Note [Kept values live no longer than in eager], rule 2."""
+    h.value = None
+    for i in unheld:
+        if (
+            i.value is not None
+            and i.offload_device is None
+            and not may_read(i)
+            and (i.ref is None or i.ref() is None)
+            and not _rebase_may_read(storages, i)
+            and _live_descendant(i, nodes, None) is None
+        ):
+            i.value = None
+
+
 def _watch_descendant(
-    h: Handle, nodes: list[OpNode], storages: dict[int, StorageHistory]
+    h: Handle,
+    nodes: list[OpNode],
+    storages: dict[int, StorageHistory],
+    unheld: list[Handle],
 ) -> _KeptRef | None:
     """A weak reference that looks at ``h`` again when it goes, to a tensor the program
-    holds of a value recomputed from ``h``, if there is one. See Note [Kept values live no
-    longer than in eager], rule 2."""
-    t = _live_descendant(h, nodes)
+    holds of a value recomputed from ``h``, if there is one (``unheld``: see
+    ``_live_descendant``). See Note [Kept values live no longer than in eager], rule 2."""
+    t = _live_descendant(h, nodes, unheld)
     if t is None:
         return None
     r = _KeptRef(t, _descendant_dropped)
@@ -342,9 +365,12 @@ def _watch_descendant(
     return r
 
 
-def _live_descendant(h: Handle, nodes: list[OpNode]) -> torch.Tensor | None:
+def _live_descendant(
+    h: Handle, nodes: list[OpNode], unheld: list[Handle] | None
+) -> torch.Tensor | None:
     """A tensor the program still holds of a value recomputed from ``h`` (through recomputed
-    values only) that is worth holding ``h`` for (``_worth_holding``), or ``None``.
+    values only) that is worth holding ``h`` for (``_worth_holding``), or ``None``; the kept
+    values held for the live values that were not go to ``unheld``.
 
     Op nodes recorded after ``h``'s producer, scanned when its tensor goes and again when
     that descendant goes: a kept value whose tensor lives long (a skip connection) costs a
@@ -362,24 +388,25 @@ def _live_descendant(h: Handle, nodes: list[OpNode]) -> torch.Tensor | None:
         for o in node.outputs:
             if o is not None and o.reason is None:
                 t = o.ref() if o.ref is not None else None
-                if t is not None and _worth_holding(o, nodes):
+                if t is not None and _worth_holding(o, nodes, unheld):
                     return t
                 sources.add(o.number)
     return None
 
 
-def _worth_holding(y: Handle, nodes: list[OpNode]) -> bool:
+def _worth_holding(y: Handle, nodes: list[OpNode], unheld: list[Handle] | None) -> bool:
     """Whether the kept values that recomputing the live value ``y`` would read, and that
     nothing but such a recomputation can read any more, are worth holding for ``y``: all
     ``intact`` (else a save of ``y`` keeps ``y`` itself anyway, ``need`` fails) and no more
-    bytes than keeping ``y`` would hold. See Note [Kept values live no longer than in
-    eager], rule 2.
+    bytes than keeping ``y`` would hold. If not, the kept values it found held for ``y``
+    go to ``unheld``. See Note [Kept values live no longer than in eager], rule 2.
     """
     base = y
     while base.base is not None:
         base = base.base
     budget = base.nbytes  # keeping a view keeps its base's storage
     held = 0
+    found: list[Handle] = []
     seen: set[int] = set()
     stack = [y]
     while stack:
@@ -394,6 +421,8 @@ def _worth_holding(y: Handle, nodes: list[OpNode]) -> bool:
                 if i.saved_refs == 0 and i.recompute_readers == 0:
                     stack.append(i)  # needed values read only intact ones (rule 1)
             elif i.value is None or (i.superseded and not i.copied):  # not ``intact``
+                if unheld is not None:
+                    unheld += found
                 return False
             elif (
                 i.node_index >= 0
@@ -402,7 +431,10 @@ def _worth_holding(y: Handle, nodes: list[OpNode]) -> bool:
                 and (i.ref is None or i.ref() is None)
             ):
                 held += i.nbytes
+                found.append(i)
                 if held > budget:
+                    if unheld is not None:
+                        unheld += found
                     return False
     return True
 
@@ -413,9 +445,10 @@ def _descendant_dropped(r: weakref.ref[torch.Tensor]) -> None:
     h: Handle = r.handle  # type: ignore[attr-defined]
     if h.value is None or may_read(h) or _rebase_may_read(r.storages, h):  # type: ignore[attr-defined]
         return
-    later = _watch_descendant(h, r.nodes, r.storages)  # type: ignore[attr-defined]
+    unheld: list[Handle] = []
+    later = _watch_descendant(h, r.nodes, r.storages, unheld)  # type: ignore[attr-defined]
     if later is None:
-        h.value = None
+        _free(h, unheld, r.nodes, r.storages)  # type: ignore[attr-defined]
     else:
         r.later = later  # type: ignore[attr-defined]
 
@@ -452,9 +485,10 @@ def drop_if_unread(region: Region, h: Handle) -> None:
         recording = region.recording
         if _rebase_may_read(recording.storages, h):
             return
-        later = _watch_descendant(h, region.nodes, recording.storages)
+        unheld: list[Handle] = []
+        later = _watch_descendant(h, region.nodes, recording.storages, unheld)
         if later is None:
-            h.value = None
+            _free(h, unheld, region.nodes, recording.storages)
         else:
             recording.watched.append(later)
 
