@@ -65,7 +65,7 @@ class Packed(_PackedBase):
             # See Note [Kept values live no longer than in eager], rule 3.
             if handle.reason is not None:
                 drop_if_unread(region, handle)
-            elif handle.recompute_readers == 0:
+            elif handle.recompute_readers == 0 and region.recording.counting:
                 unneed(region, handle)
         region.pack_released(handle)
 
@@ -94,7 +94,8 @@ def pack_hook_for(region: Region) -> Callable[[torch.Tensor], Any]:
         # The first need of a recomputed value. See Note [Kept values live no longer than
         # in eager], rule 2.
         if (
-            h.reason is None
+            recording.counting  # See Note [Kept values live no longer than in eager], rule 6.
+            and h.reason is None
             and h.saved_refs == 0
             and h.recompute_readers == 0
             and not need(region, h)

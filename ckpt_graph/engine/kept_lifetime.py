@@ -37,7 +37,21 @@
 #      looks again when it goes), and no longer: MobileNetV2's residual sums, which nothing
 #      saves, let the kept block outputs go when the program drops the stage's last sum.
 #      Freeing it earlier made the engine keep ``y`` instead of the plan's ``h`` (the plan
-#      and its simulation then disagreed). A kept value overwritten in place without a copy
+#      and its simulation then disagreed). Such a held ``y`` only needs ``h`` if something
+#      saves it (or a value recomputed from it) later, and then the pack hook has ``y``'s
+#      tensor: it can keep ``y`` itself, what eager saves. So ``y`` holds ``h`` only while
+#      that is worth it (``_worth_holding``): every kept value ``y``'s recomputation reads
+#      is ``intact`` (else ``need`` fails and a save keeps ``y`` anyway), and those that
+#      only such a recomputation can read (tensor gone, no saved tensor or needed
+#      recomputation) total no more bytes than keeping ``y`` (its base's, for a view)
+#      would hold; when ``h`` goes, so do the others held for a live value not worth them
+#      (``_free``). A plan keeps values only for a later save of ``y`` only if they total
+#      no more than ``y`` (keeping ``y`` would cost fewer bytes and no recompute), so plans
+#      are still followed (test_budget: the kept ops and recomputations are the plan's). A
+#      chain of residual sums that nothing saves (``h = h + f(h)``, ``f``'s kept output
+#      read only by the sum) reads a second such value one layer on, and lets them go as
+#      eager does (8 layers under ``save_ops(mm, constant_pad_nd)``: 311,368 -> 213,056
+#      bytes, no checkpointing's peak). A kept value overwritten in place without a copy
 #      (rule 4) can still be read that way: ``need`` walks the recomputed values that a
 #      save newly needs, and if one of the kept values they read is not ``intact``, it
 #      changes nothing and the pack hook keeps the saved value itself, the tensor autograd
@@ -69,21 +83,33 @@
 #      values]) frees the kept values that nothing reads from then on, and autograd's
 #      releases free the rest (``pass_graph.free_use`` follows the same chains as rule 1:
 #      a kept value goes after the last saved tensor whose recomputation reads it).
+#   6. The counts matter only once a value they protect can go: a kept op output (rule 3)
+#      or a kept value an in-place op writes over (rule 4), or a tag reads them. Until then
+#      (``RecordingState.counting`` off: a region that recomputes everything, or keeps only
+#      its inputs so far) the pack hook calls no ``need`` and a freed saved tensor no
+#      ``unneed``; the first kept op output (``watch``), in-place op or tag calls
+#      ``count_readers``, which replays ``need`` for the values saved tensors refer to now,
+#      in the order of their first saves, each looking unsaved until its turn, so the counts
+#      are those the pack hook would have made. Nothing was freed or overwritten before, so
+#      every walk succeeds. On the 1,500-op chain of ``bench_overhead_instructions.py``
+#      under ``recompute_all`` this saves the walk at each of its 500 first saves.
 # So a region holds, during its forward, what eager holds (the program's tensors and the
 # saved ones), plus the aliases' metadata, the kept values saved tensors need through
-# recomputed ones, and those the program's tensors were recomputed from; in backward it
-# frees kept values as autograd frees saved tensors.
+# recomputed ones, and those the program's tensors were recomputed from (no more bytes than
+# those tensors, rule 2); in backward it frees kept values as autograd frees saved tensors.
 # ``kept_bytes`` still counts what the policies decided to keep (budgets compare plans by
 # it), not what is held now; a value kept by rule 2 adds its bytes.
 # Known limitations: a kept value stays while the program holds a value recomputed from
-# it, also when nothing will save that value (eager frees the kept value at once): a chain
-# of residual sums that nothing saves, held to the end of the forward, holds every kept
-# value it was computed from. Values kept in host memory (offload on CUDA) are not watched:
-# their copies are freed at the exit.
+# it that is worth holding it for (rule 2), also when nothing will save that value: no
+# more bytes than that value's for each such value the program holds (one layer of a
+# residual chain). A plan that keeps values for several later saves, worth it only
+# together, is not followed: each saved value is kept itself. Values kept in host memory
+# (offload on CUDA) are not watched: their copies are freed at the exit.
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 import weakref
 from collections.abc import Iterable
@@ -91,12 +117,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ckpt_graph._errors import CkptGraphError
+
 if TYPE_CHECKING:
     from ckpt_graph.engine.graph import Handle, OpNode
     from ckpt_graph.engine.mutation.storage_history import StorageHistory
     from ckpt_graph.engine.region import Region
 
 __all__ = [
+    "count_readers",
     "drop_if_unread",
     "freed_inputs",
     "intact",
@@ -242,10 +271,44 @@ def unneed(region: Region, h: Handle) -> None:
                     drop_if_unread(region, i)
 
 
+def count_readers(region: Region) -> None:
+    """Start keeping ``Handle.recompute_readers`` up to date, if not yet: count what the
+    region's saved tensors need now, as ``need`` would have at each first save. See Note
+    [Kept values live no longer than in eager], rule 6."""
+    recording = region.recording
+    if recording.counting:
+        return
+    recording.counting = True
+    # Replayed in the order of first saves, each value looking unsaved until its turn (as
+    # when the pack hook called ``need``); no garbage collection meanwhile, whose freeing
+    # of a saved tensor (``Packed.__del__``) would count against a hidden ``saved_refs``.
+    pending = [h for h in dict.fromkeys(region.saved_log.handles) if h.reason is None]
+    refs = [h.saved_refs for h in pending]
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for h in pending:
+            h.saved_refs = 0
+        for h, n in zip(pending, refs, strict=True):
+            if n > 0 and h.recompute_readers == 0 and not need(region, h):
+                raise CkptGraphError(  # nothing was freed or overwritten before this call
+                    f"ckpt_graph: internal error: counting the readers of {h!r} found a "
+                    "freed kept value; please report this with the program that triggers it"
+                )
+            h.saved_refs = n
+    finally:
+        for h, n in zip(pending, refs, strict=True):
+            h.saved_refs = n
+        if collecting:
+            gc.enable()
+
+
 def watch(region: Region, h: Handle, t: torch.Tensor) -> None:
     """Free the kept value of ``h`` when the program drops ``t``, its forward tensor, if
     nothing reads it then. See Note [Kept values live no longer than in eager], rule 3."""
     recording = region.recording
+    if not recording.counting:
+        count_readers(region)
     r = _KeptRef(t, _forward_tensor_dropped)
     r.handle = h
     r.storages = recording.storages
@@ -256,20 +319,43 @@ def watch(region: Region, h: Handle, t: torch.Tensor) -> None:
 def _forward_tensor_dropped(r: weakref.ref[torch.Tensor]) -> None:
     h: Handle = r.handle  # type: ignore[attr-defined]
     if not may_read(h) and h.offload_device is None and not _rebase_may_read(r.storages, h):  # type: ignore[attr-defined]
-        later = _watch_descendant(h, r.nodes, r.storages)  # type: ignore[attr-defined]
+        unheld: list[Handle] = []
+        later = _watch_descendant(h, r.nodes, r.storages, unheld)  # type: ignore[attr-defined]
         if later is None:
-            h.value = None
+            _free(h, unheld, r.nodes, r.storages)  # type: ignore[attr-defined]
         else:
             r.later = later  # type: ignore[attr-defined]
 
 
+def _free(
+    h: Handle, unheld: list[Handle], nodes: list[OpNode], storages: dict[int, StorageHistory]
+) -> None:
+    """Free the kept value of ``h``, then those ``unheld``: held for live values that were
+    not worth holding ``h`` for (``_worth_holding``), and that no other live value holds
+    now. See Note [Kept values live no longer than in eager], rule 2."""
+    h.value = None
+    for i in unheld:
+        if (
+            i.value is not None
+            and i.offload_device is None
+            and not may_read(i)
+            and (i.ref is None or i.ref() is None)
+            and not _rebase_may_read(storages, i)
+            and _live_descendant(i, nodes, None) is None
+        ):
+            i.value = None
+
+
 def _watch_descendant(
-    h: Handle, nodes: list[OpNode], storages: dict[int, StorageHistory]
+    h: Handle,
+    nodes: list[OpNode],
+    storages: dict[int, StorageHistory],
+    unheld: list[Handle],
 ) -> _KeptRef | None:
     """A weak reference that looks at ``h`` again when it goes, to a tensor the program
-    holds of a value recomputed from ``h``, if there is one. See Note [Kept values live no
-    longer than in eager], rule 2."""
-    t = _live_descendant(h, nodes)
+    holds of a value recomputed from ``h``, if there is one (``unheld``: see
+    ``_live_descendant``). See Note [Kept values live no longer than in eager], rule 2."""
+    t = _live_descendant(h, nodes, unheld)
     if t is None:
         return None
     r = _KeptRef(t, _descendant_dropped)
@@ -279,9 +365,12 @@ def _watch_descendant(
     return r
 
 
-def _live_descendant(h: Handle, nodes: list[OpNode]) -> torch.Tensor | None:
+def _live_descendant(
+    h: Handle, nodes: list[OpNode], unheld: list[Handle] | None
+) -> torch.Tensor | None:
     """A tensor the program still holds of a value recomputed from ``h`` (through recomputed
-    values only), or ``None``.
+    values only) that is worth holding ``h`` for (``_worth_holding``), or ``None``; the kept
+    values held for the live values that were not go to ``unheld``.
 
     Op nodes recorded after ``h``'s producer, scanned when its tensor goes and again when
     that descendant goes: a kept value whose tensor lives long (a skip connection) costs a
@@ -299,10 +388,55 @@ def _live_descendant(h: Handle, nodes: list[OpNode]) -> torch.Tensor | None:
         for o in node.outputs:
             if o is not None and o.reason is None:
                 t = o.ref() if o.ref is not None else None
-                if t is not None:
+                if t is not None and _worth_holding(o, nodes, unheld):
                     return t
                 sources.add(o.number)
     return None
+
+
+def _worth_holding(y: Handle, nodes: list[OpNode], unheld: list[Handle] | None) -> bool:
+    """Whether the kept values that recomputing the live value ``y`` would read, and that
+    nothing but such a recomputation can read any more, are worth holding for ``y``: all
+    ``intact`` (else a save of ``y`` keeps ``y`` itself anyway, ``need`` fails) and no more
+    bytes than keeping ``y`` would hold. If not, the kept values it found held for ``y``
+    go to ``unheld``. See Note [Kept values live no longer than in eager], rule 2.
+    """
+    base = y
+    while base.base is not None:
+        base = base.base
+    budget = base.nbytes  # keeping a view keeps its base's storage
+    held = 0
+    found: list[Handle] = []
+    seen: set[int] = set()
+    stack = [y]
+    while stack:
+        v = stack.pop()
+        if v.node_index < 0:
+            continue
+        for i in nodes[v.node_index].inputs:
+            if i.number in seen:
+                continue
+            seen.add(i.number)
+            if i.reason is None:
+                if i.saved_refs == 0 and i.recompute_readers == 0:
+                    stack.append(i)  # needed values read only intact ones (rule 1)
+            elif i.value is None or (i.superseded and not i.copied):  # not ``intact``
+                if unheld is not None:
+                    unheld += found
+                return False
+            elif (
+                i.node_index >= 0
+                and i.offload_device is None
+                and not may_read(i)
+                and (i.ref is None or i.ref() is None)
+            ):
+                held += i.nbytes
+                found.append(i)
+                if held > budget:
+                    if unheld is not None:
+                        unheld += found
+                    return False
+    return True
 
 
 def _descendant_dropped(r: weakref.ref[torch.Tensor]) -> None:
@@ -311,9 +445,10 @@ def _descendant_dropped(r: weakref.ref[torch.Tensor]) -> None:
     h: Handle = r.handle  # type: ignore[attr-defined]
     if h.value is None or may_read(h) or _rebase_may_read(r.storages, h):  # type: ignore[attr-defined]
         return
-    later = _watch_descendant(h, r.nodes, r.storages)  # type: ignore[attr-defined]
+    unheld: list[Handle] = []
+    later = _watch_descendant(h, r.nodes, r.storages, unheld)  # type: ignore[attr-defined]
     if later is None:
-        h.value = None
+        _free(h, unheld, r.nodes, r.storages)  # type: ignore[attr-defined]
     else:
         r.later = later  # type: ignore[attr-defined]
 
@@ -350,9 +485,10 @@ def drop_if_unread(region: Region, h: Handle) -> None:
         recording = region.recording
         if _rebase_may_read(recording.storages, h):
             return
-        later = _watch_descendant(h, region.nodes, recording.storages)
+        unheld: list[Handle] = []
+        later = _watch_descendant(h, region.nodes, recording.storages, unheld)
         if later is None:
-            h.value = None
+            _free(h, unheld, region.nodes, recording.storages)
         else:
             recording.watched.append(later)
 

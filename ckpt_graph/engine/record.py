@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph.engine.graph import Handle
+from ckpt_graph.engine.kept_lifetime import count_readers
 from ckpt_graph.engine.mutation.failed_writes import restore, write_state
 from ckpt_graph.engine.mutation.silent_writes import keep_silently_written
 from ckpt_graph.engine.mutation.writes import before_write
@@ -293,6 +294,8 @@ def _run_special(
     undo = None
     kept_bytes = region.kept_bytes
     if info.writes:
+        if not region.recording.counting:  # See Note [Kept values live no longer than in eager].
+            count_readers(region)
         undo = write_state(region, info, args, kwargs, h_args, h_kwargs)
         if info.silent_args:
             keep_silently_written(region, info, args, kwargs, h_args, h_kwargs)

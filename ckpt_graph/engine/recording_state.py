@@ -44,6 +44,9 @@ class RecordingState:
         watched: weak references to the forward tensors of kept op outputs, which free
             the kept value when the program drops the tensor and nothing reads the value
             (see Note [Kept values live no longer than in eager]).
+        counting: ``Handle.recompute_readers`` is kept up to date: from the first kept op
+            output, in-place write over a kept value or tag (see Note [Kept values live no
+            longer than in eager], rule 6).
         random_nodes: positions of the op nodes recorded with a generator state
             (``OpNode.rng``), which region exit frees for those that never run; kept
             after the region closes.
@@ -57,6 +60,7 @@ class RecordingState:
     __slots__ = (
         "alias_keys",
         "by_storage",
+        "counting",
         "ids",
         "on",
         "random_nodes",
@@ -80,6 +84,7 @@ class RecordingState:
         self.alias_keys: tuple[Any, Any, Any] | None = None
         self.watched: list[weakref.ref[torch.Tensor]] = []
         self.random_nodes: list[int] = []
+        self.counting = False
 
     def finish(self) -> None:
         """Stop recording and drop what only recording needs (the region closes)."""

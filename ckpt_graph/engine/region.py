@@ -30,7 +30,13 @@ from ckpt_graph.engine.decisions import to_decision as _to_decision
 from ckpt_graph.engine.graph import Handle, OpNode, version_of
 from ckpt_graph.engine.holding import detached, free_kept, hold
 from ckpt_graph.engine.hooks import pack_hook_for, unpack_hook_for_autograd
-from ckpt_graph.engine.kept_lifetime import freed_inputs, mark_recompute_inputs, need, unneed
+from ckpt_graph.engine.kept_lifetime import (
+    count_readers,
+    freed_inputs,
+    mark_recompute_inputs,
+    need,
+    unneed,
+)
 from ckpt_graph.engine.mutation.storage_history import rebase
 from ckpt_graph.engine.offload import Offloader
 from ckpt_graph.engine.outputs import KEPT_ON_HOST as _KEPT_ON_HOST
@@ -244,7 +250,8 @@ class Region:
         # Per value, not per op node: a tag on one output of a multi-output op (``split``)
         # says nothing about its siblings, which keep the policies' decision.
         self.tagged.add(h)
-        # See Note [Kept values live no longer than in eager], rules 1 and 2.
+        # See Note [Kept values live no longer than in eager], rules 1, 2 and 6.
+        count_readers(self)
         if decision in _KEPT_ON_HOST:
             if not h.kept:
                 needed = h.saved_refs > 0 or h.recompute_readers > 0

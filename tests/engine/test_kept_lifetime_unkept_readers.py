@@ -117,7 +117,7 @@ def test_a_kept_value_is_freed_when_the_program_drops_it_and_its_readers_output(
     with cg.save_recompute_policy(keep_what_backward_reads) as region:
         a = x.exp()  # kept; exp saves its output
         b = a * 2  # kept; a multiplication by a number saves nothing
-        s = x.sin() + b  # the sum is recomputed; nothing saves it
+        s = x + b  # the sum is recomputed; nothing saves it
         hb = region.lookup(b)
         del b
         assert hb is not None and hb.value is not None  # the program holds its reader's output
@@ -128,7 +128,7 @@ def test_a_kept_value_is_freed_when_the_program_drops_it_and_its_readers_output(
     assert sum(n.realized for n in region.nodes) == 0
 
     def fn(t: torch.Tensor) -> torch.Tensor:
-        return F.pad(t.sin() + t.exp() * 2, (0, 0)).cos()
+        return F.pad(t + t.exp() * 2, (0, 0)).cos()
 
     x2 = x.detach().requires_grad_(True)
     fn(x2).sum().backward()
