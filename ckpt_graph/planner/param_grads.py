@@ -24,7 +24,7 @@
 #    weight reaches ``addmm`` through ``t``: counting a copy put the MLP 16% above its
 #    measured peak. Mixtral's experts' weights reach ``_grouped_mm`` through
 #    ``transpose``: when only ``mm`` and ``addmm`` were known, the zoo's Mixtral was
-#    predicted 1.0-2.6 MB above its measured backward peak at every budget, one weight's
+#    predicted 0.5-2.6 MB above its measured backward peak at every budget, one weight's
 #    copy at each expert projection's step.) A gradient an op hands on to several inputs
 #    (``add``, a ``passthrough`` op of ``step_grads``) is shared, and copied. At that step
 #    the contribution and the copy are both alive. A sum of contributions from several
@@ -51,6 +51,9 @@
 # region's graph counts it. A region input that is a view of a parameter made outside the
 # region (``w.t()`` passed in) hands its gradient to the parameter after the region's
 # backward: its buffer counts in ``param_grad_bytes`` only.
+# The measured layout is one answer per op (every input's gradient has its input's strides,
+# or not): a parameter read through a transpose by an op that gives another of its inputs a
+# gradient of other strides (``mm`` of a strided slice) is taken to be copied.
 """
 
 from __future__ import annotations

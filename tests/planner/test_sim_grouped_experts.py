@@ -6,7 +6,7 @@ gradient has the parameter's strides, and copies it otherwise. Experts' weights 
 ``(experts, out, in)`` reach ``_grouped_mm`` through ``transpose(-2, -1)``; the op's
 formula gives the transposed operand its gradient in the operand's own layout (as
 ``mm``'s does, unlike ``bmm``'s), so transposing it back gives the parameter's strides and
-nothing is copied. Counting a copy put the zoo's Mixtral 1-2.6 MB (2-5%) above its measured
+nothing is copied. Counting a copy put the zoo's Mixtral 0.5-2.6 MB (1-5%) above its measured
 backward peak at every ``memory_budget`` point: one weight's bytes at each expert
 projection's step. The op's behaviour is measured with its workspace (Note [Measuring op
 workspaces] rule 1), so the layout comes from the backend, not from a list of op names.
