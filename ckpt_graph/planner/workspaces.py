@@ -328,4 +328,7 @@ def _run_measured(
 def _same_layout(grad: torch.Tensor, t: torch.Tensor) -> bool:
     """Whether ``grad`` has the strides of ``t`` (dimensions of size 1 aside, as
     ``AccumulateGrad``'s layout check)."""
-    return all(n == 1 or a == b for n, a, b in zip(t.shape, grad.stride(), t.stride(), strict=True))
+    if grad.layout != torch.strided or grad.shape != t.shape:
+        return False  # a sparse gradient (``embedding(sparse=True)``) has no strides
+    pairs = zip(t.shape, grad.stride(), t.stride(), strict=True)
+    return all(n == 1 or a == b for n, a, b in pairs)
