@@ -27,13 +27,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "planner"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from bench_sim_error import _cases, _policy  # noqa: E402
+from bench_sim_error import _cases  # noqa: E402
 
 from ckpt_graph.compare.zoo import build_workload  # noqa: E402
 
 
 def main() -> None:
-    from test_liveness import predicted_peak, run_region
+    from test_liveness import named_policy, predicted_peak, run_region
 
     torch.set_num_threads(1)
     args = sys.argv[1:]
@@ -58,7 +58,7 @@ def main() -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 run = run_region(
-                    w.model, w.inputs, _policy(policy), w.loss, cache_limit=limit, grads=grads
+                    w.model, w.inputs, named_policy(policy), w.loss, cache_limit=limit, grads=grads
                 )
             predicted = predicted_peak(run)
             error = (predicted - run.measured) / run.measured

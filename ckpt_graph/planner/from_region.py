@@ -498,7 +498,10 @@ def with_workspaces(base: UnmeasuredGraph, workspaces: Mapping[int, Workspace] |
         grads[k] = grads.get(k, 0) + alive
         grads_in[k] = grads_in.get(k, 0) + alive - made
     store = _gradient_storage(g.values, ops)
-    alive_p, made_p, end = param_grads(g.values, ops, base.floating, store, base.fresh, passthrough)
+    layouts = {j: w.own_layout for j, w in ws_items if w.own_layout is not None}
+    alive_p, made_p, end = param_grads(
+        g.values, ops, base.floating, store, base.fresh, passthrough, layouts
+    )
     return replace(
         g,
         ops=tuple(ops),

@@ -16,14 +16,20 @@
 # 2. Kept or copied. ``AccumulateGrad`` keeps the incoming gradient itself when nothing else
 #    references it and its strides are the parameter's, else it copies it. A gradient that
 #    reached the parameter through ``t``, ``transpose`` or ``permute`` is a transposed view
-#    and is copied, except from ``mm`` and ``addmm``, whose formulas give a transposed
-#    operand its gradient in the operand's layout (``linear``'s weight reaches ``addmm``
-#    through ``t``: kept, measured on the MLP, where counting a copy put the prediction 16%
-#    above the measured peak); one an op hands on to several inputs (``add``, a
-#    ``passthrough`` op of ``step_grads``) is shared, and copied. At that step the
-#    contribution and the copy are both alive. A sum of contributions from several steps (a
-#    tied weight, rule 4) is a buffer of its own and is kept: one buffer, from the last
-#    reader's step to the end.
+#    and is copied, unless the reader's formula gives its transposed operand a gradient in
+#    the operand's own layout, which transposed back has the parameter's strides. Whether
+#    it does is measured with the op's workspace (``Workspace.own_layout``, Note [Measuring
+#    op workspaces] rule 1: ``mm``, ``addmm`` and ``_grouped_mm`` do, ``bmm`` and
+#    ``baddbmm`` do not); unmeasured, ``mm`` and ``addmm`` are taken to. (``linear``'s
+#    weight reaches ``addmm`` through ``t``: counting a copy put the MLP 16% above its
+#    measured peak. Mixtral's experts' weights reach ``_grouped_mm`` through
+#    ``transpose``: when only ``mm`` and ``addmm`` were known, the zoo's Mixtral was
+#    predicted 0.5-2.6 MB above its measured backward peak at every budget, one weight's
+#    copy at each expert projection's step.) A gradient an op hands on to several inputs
+#    (``add``, a ``passthrough`` op of ``step_grads``) is shared, and copied. At that step
+#    the contribution and the copy are both alive. A sum of contributions from several
+#    steps (a tied weight, rule 4) is a buffer of its own and is kept: one buffer, from the
+#    last reader's step to the end.
 # 3. When ``.grad`` exists, the contributions are added to it in place (rule 4): the buffer
 #    is memory held before the step, outside the region's model, as before.
 # 4. A parameter with ``requires_grad=False`` has no gradient (rule 4); one the region does
@@ -45,12 +51,15 @@
 # region's graph counts it. A region input that is a view of a parameter made outside the
 # region (``w.t()`` passed in) hands its gradient to the parameter after the region's
 # backward: its buffer counts in ``param_grad_bytes`` only.
+# The measured layout is one answer per op (every input's gradient has its input's strides,
+# or not): a parameter read through a transpose by an op that gives another of its inputs a
+# gradient of other strides (``mm`` of a strided slice) is taken to be copied.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from ckpt_graph.planner.sim_graph import SimGraph, SimOp, SimValue
 
@@ -61,7 +70,7 @@ __all__ = ["TRANSPOSING_VIEW_OPS", "param_grads", "without_param_grads"]
 # ``AccumulateGrad`` copies it (Note [Parameters' gradients in backward] rule 2).
 TRANSPOSING_VIEW_OPS = frozenset({"t", "transpose", "permute"})
 # Ops whose formula gives a transposed operand its gradient in the operand's own layout
-# (``mm_mat2_backward``): no copy (rule 2).
+# (``mm_mat2_backward``): no copy (rule 2), where the op's layout was not measured.
 _LAYOUT_KEEPING_OPS = frozenset({"mm", "addmm"})
 
 
@@ -76,6 +85,7 @@ def param_grads(
     store: Sequence[int],
     fresh: Collection[int],
     passthrough: Collection[int] = (),
+    own_layout: Mapping[int, bool] | None = None,
 ) -> tuple[dict[int, int], dict[int, int], int]:
     """The buffers backward makes for parameters whose ``.grad`` is ``None``.
 
@@ -88,6 +98,9 @@ def param_grads(
             (``from_region``'s gradient storage: the root of a view chain).
         fresh: region inputs (value ids) that are parameters with ``.grad`` ``None``.
         passthrough: ops that hand their output's gradient on to their inputs as is.
+        own_layout: per measured op, whether its formula gives each input its gradient in
+            the input's strides (``Workspace.own_layout``); an op missing here keeps the
+            layout if it is ``mm`` or ``addmm``.
 
     Returns:
         Bytes alive per step (added to the region's gradient bytes), bytes made per step
@@ -131,7 +144,8 @@ def param_grads(
         for k in range(j0):
             alive[k] = alive.get(k, 0) + size
         (j, i), *more = parts[r]
-        layout_kept = _packet(ops[j].name) in _LAYOUT_KEEPING_OPS
+        measured = own_layout.get(j) if own_layout is not None else None
+        layout_kept = _packet(ops[j].name) in _LAYOUT_KEEPING_OPS if measured is None else measured
         if not more and (j in skip or (not layout_kept and _transposed(values, ops, store, i))):
             alive[j] = alive.get(j, 0) + size  # copied (rule 2)
             made[j] = made.get(j, 0) + size

@@ -275,12 +275,17 @@ class Workspace(NamedTuple):
             model] rule 1).
         input_grads: bytes of input gradients its backward formula allocates (-1 if not
             measured); 0 means it passes its output's gradient on (rule 4 of that Note).
+        own_layout: whether every input gradient its backward formula returns has its
+            input's strides (``None`` if not measured): a parameter read through a
+            transpose then gets its gradient without a copy (Note [Parameters' gradients
+            in backward] rule 2).
     """
 
     backward: int
     recompute: int
     output_saves: int = -1
     input_grads: int = -1
+    own_layout: bool | None = None
 
 
 # An op with no temporaries, or one not measured.

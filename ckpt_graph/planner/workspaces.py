@@ -10,7 +10,9 @@
 #    or the gradients of its inputs, which rule 4 counts separately). Backends pick their
 #    own algorithms (the slow convolution for float64 unfolds the input into a buffer
 #    ``kernel size`` times as large; oneDNN for float32 allocates reordered copies), so the
-#    figures come from the backend that will run, not from a table of formulas.
+#    figures come from the backend that will run, not from a table of formulas. The same
+#    backward says whether each input gradient has its input's strides (``own_layout``:
+#    Note [Parameters' gradients in backward] rule 2).
 # 2. Cost. One measurement per distinct signature (op, tensor metadata, other arguments),
 #    memoised for the process: a block repeated N times is measured once. Each takes two
 #    profiler sessions and one forward and backward of the op at the real size (a region's
@@ -40,7 +42,7 @@ import torch
 from ckpt_graph._errors import CkptGraphError, CkptGraphValueError
 from ckpt_graph.engine.graph import Handle, arg_at
 from ckpt_graph.engine.region import current_region
-from ckpt_graph.memory import busy, measure
+from ckpt_graph.memory import busy, measure, measure_with_result
 from ckpt_graph.planner.records import NO_WORKSPACE, Workspace
 
 if TYPE_CHECKING:
@@ -300,15 +302,33 @@ def _run_measured(
             for o, w in zip(outs, call.wanted, strict=False)
             if w and isinstance(o, torch.Tensor) and o.requires_grad
         ]
-        bwd_peak, input_grads = 0, -1
+        bwd_peak, input_grads, own_layout = 0, -1, None
         if roots and leaves:
             grads = [torch.ones_like(o) for o in roots]
-            bwd = measure(torch.autograd.grad, roots, leaves, grads, allow_unused=True)
+            got, bwd = measure_with_result(
+                torch.autograd.grad, roots, leaves, grads, allow_unused=True
+            )
             bwd_peak, input_grads = bwd.peak_bytes - bwd.end_bytes, bwd.end_bytes
+            own_layout = all(
+                g is None or _same_layout(g, t) for g, t in zip(got, leaves, strict=True)
+            )
     except CkptGraphError:
         raise
     except Exception:  # fresh tensors the op rejects (value checks): not measured
         return NO_WORKSPACE
     return Workspace(
-        max(bwd_peak, 0), max(fwd.peak_bytes - fwd.end_bytes, 0), output_saves, input_grads
+        max(bwd_peak, 0),
+        max(fwd.peak_bytes - fwd.end_bytes, 0),
+        output_saves,
+        input_grads,
+        own_layout,
     )
+
+
+def _same_layout(grad: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``grad`` has the strides of ``t`` (dimensions of size 1 aside, as
+    ``AccumulateGrad``'s layout check)."""
+    if grad.layout != torch.strided or grad.shape != t.shape:
+        return False  # a sparse gradient (``embedding(sparse=True)``) has no strides
+    pairs = zip(t.shape, grad.stride(), t.stride(), strict=True)
+    return all(n == 1 or a == b for n, a, b in pairs)
