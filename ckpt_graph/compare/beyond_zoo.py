@@ -120,8 +120,8 @@ SPECS: dict[str, Spec] = {
         "depthwise-convolution MLP, all-MLP decoder",
         8,
         16,
-        4,
-        128,
+        2,
+        64,
         "layers: blocks (L/4 per stage); width: channels of the first stage (then 2x, 5x, "
         "8x); seq_len: image side (labels at a quarter of it)",
     ),
@@ -140,7 +140,7 @@ SPECS: dict[str, Spec] = {
         "AutoencoderKL, 3 levels, the latent sampled in the forward, reconstruction MSE loss",
         1,
         16,
-        4,
+        2,
         64,
         "layers: resnets per level; width: channels of the first level (then 2x, 2x); "
         "seq_len: image side",
