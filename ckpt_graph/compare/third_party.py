@@ -194,7 +194,7 @@ SPECS: dict[str, Spec] = {
 def estimate_bytes(name: str, layers: int, width: int, batch: int, seq_len: int) -> int:
     """Rough upper estimate of one step's memory without checkpointing, in bytes (fp32)."""
     if name == "hf-vit":  # a transformer over 4 x 4 patches: its tokens are the patches
-        seq_len = (seq_len // 4) ** 2
+        return rough_bytes(layers, width, batch, (seq_len // 4) ** 2, image=False)
     return rough_bytes(layers, width, batch, seq_len, SPECS[name].sizes.endswith(_IMAGE))
 
 

@@ -70,3 +70,12 @@ def test_extra_model_builds_and_recompute_all_is_exact(name: str) -> None:
             got["grads"][n], g, rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}"
         )
     torch.testing.assert_close(got["rng"], ref["rng"], rtol=0, atol=0)
+
+
+def test_extra_model_default_sizes_pass_the_cli_memory_check() -> None:
+    from ckpt_graph.compare.zoo import DEFAULTS, estimate_bytes
+
+    for name in EXTRA:
+        d = DEFAULTS[name]
+        need = estimate_bytes(name, d.layers, d.width, d.batch, d.seq_len)
+        assert 0 < need < 2**30, f"{name}: {need / 2**20:.0f} MiB estimated"
