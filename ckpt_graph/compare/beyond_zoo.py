@@ -44,12 +44,13 @@ __all__ = ["SPECS", "TINY_SIZES", "Keywords", "build", "estimate_bytes"]
 # Note [Models beyond the zoo]
 # These models are not part of the zoo's default run (its time and the README's headline stay
 # as they are). Their default sizes are smaller than the zoo's (a step without checkpointing
-# of 10-100 ms of CPU time on one thread) so that the whole set runs through bench_zoo.py in
-# well under 20 minutes on a shared machine; the ops are small, so their step times say
-# little. Each keeps the library's own model class and config, sizes changed only, with two
-# exceptions that make the step deterministic, as the benchmark compares gradients across
-# strategies: Wav2Vec2 without SpecAugment's time masking (drawn with NumPy's generator, a
-# new mask per step) and without LayerDrop (a Python branch on a random draw).
+# takes 23-62 ms of CPU time on one thread) so that the set runs through bench_zoo.py in about
+# half an hour on 2 shared cores (32 min at load 8-11, BENCHMARKS.md "Models beyond the zoo");
+# their ops are small, so their step times say little. Each keeps the library's own model class
+# and config, sizes changed only, with two exceptions that make the step deterministic, as the
+# benchmark compares gradients across strategies: Wav2Vec2 without SpecAugment's time masking
+# (drawn with NumPy's generator, a new mask per step) and without LayerDrop (a Python branch on
+# a random draw).
 
 _VOCAB = 2048
 _TEXT = "layers: blocks; width: hidden size (head size 64, MLP 4x); seq_len: tokens"
