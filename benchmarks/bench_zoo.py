@@ -39,8 +39,14 @@ path with ``.json``: the run's settings and, per row, the model, its sizes, ever
 :class:`~ckpt_graph.compare.runner.StrategyResult` field and whether the policy warned), which
 ``notebooks/07_zoo.ipynb`` plots.
 
-Run: ``python benchmarks/bench_zoo.py [--models NAME ...] [--quick] [--check] [--anchor]
-[--out benchmarks/results_zoo.md]``.
+``--extra`` runs the models beyond the zoo (``ckpt_graph.compare.beyond_zoo``, Note [Models
+beyond the zoo]) instead of the zoo's, and adds a section on block boundaries: whether the
+planner's block finder (Note [Block boundaries]) finds the blocks listed by hand (those that
+torch's configurations checkpoint) and which hand seeds (Note [Hand seeds]) it gives. ``--models``
+takes the names of either set.
+
+Run: ``python benchmarks/bench_zoo.py [--models NAME ...] [--extra] [--quick] [--check]
+[--anchor] [--out benchmarks/results_zoo.md]``.
 """
 
 from __future__ import annotations
@@ -64,7 +70,11 @@ import torch
 import ckpt_graph as cg
 from ckpt_graph.compare.runner import StrategyResult, WorkloadRun
 from ckpt_graph.compare.strategies import make_forward
-from ckpt_graph.compare.zoo import DEFAULTS, THIRD_PARTY, Workload, build_workload
+from ckpt_graph.compare.zoo import DEFAULTS, EXTRA, THIRD_PARTY, Workload, build_workload
+from ckpt_graph.planner.blocks import find_blocks
+from ckpt_graph.planner.from_region import from_region
+from ckpt_graph.planner.hand_seeds import hand_seeds
+from ckpt_graph.planner.solve import candidate_ops
 from ckpt_graph.policies import memory_budget, save_ops
 
 aten = torch.ops.aten
@@ -83,10 +93,12 @@ CHECK_STEPS = 4
 # --quick: a smoke run, each model at about a quarter of its default activations.
 QUICK: dict[str, dict[str, int]] = {
     name: {"batch": max(1, DEFAULTS[name].batch // 2), "seq_len": DEFAULTS[name].seq_len // 2}
-    for name in MODELS
+    for name in (*MODELS, *EXTRA)
 }
 for _name in ("hf-swin", "hf-resnet", "hf-convnext", "hf-efficientnet", "hf-mobilenetv2"):
     QUICK[_name] = {"batch": max(1, DEFAULTS[_name].batch // 4)}  # images keep their side
+for _name in ("hf-segformer", "diffusers-vae"):
+    QUICK[_name] = {"batch": 1}
 
 ANCHOR_SIZES: dict[str, int] = dict(layers=4, width=256, batch=1, seq_len=1024)
 ANCHOR_HEAD_SIZES = (32, 64)
@@ -191,6 +203,35 @@ def run_model(name: str, sizes: dict[str, int], repeat: int, check: bool = False
         Row(name, r, said.notes.get(r.strategy, r.note), sizes_text, r.strategy in said.warned)
         for r in results
     ]
+
+
+def block_check(name: str, sizes: dict[str, int]) -> str:
+    """One row of the block-boundaries section: what ``find_blocks`` finds on one recorded
+    ``recompute_all`` forward of model ``name`` against its hand-listed blocks, and the
+    hand seeds those blocks give."""
+    torch.manual_seed(0)
+    w = build_workload(name, **sizes)  # type: ignore[arg-type]
+    with cg.save_recompute_policy("recompute_all") as region:
+        out = w.model(*w.inputs)
+    g = from_region(region, {j: 1 for j in range(len(region.nodes))}, [])
+    found = find_blocks(region.nodes, g)
+    w.loss(out).backward()
+    listed = [id(b) for b in w.blocks]
+    got = [c.module_id for c in found.calls]
+    if got == listed:
+        verdict = "yes: the listed blocks, in order"
+    elif set(got) & set(listed):
+        verdict = f"partly: {len(set(got) & set(listed))} of the {len(listed)} listed"
+    else:
+        verdict = "no"
+    seeds = ", ".join(sorted(hand_seeds(g, candidate_ops(g), found.ids)))
+    return f"| {name} | {len(listed)} | {found.count} | {found.source} | {verdict} | {seeds} |"
+
+
+BLOCKS_HEADER = [
+    "| model | blocks listed by hand | blocks found | found from | the listed ones? | hand seeds |",
+    "|---|---:|---:|---|---|---|",
+]
 
 
 def _cmp(a: float, b: float) -> str:
@@ -413,7 +454,10 @@ def anchor_rows(head: int, repeat: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=None, choices=[*MODELS, *EXTRA])
+    parser.add_argument(
+        "--extra", action="store_true", help="the models beyond the zoo instead of the zoo's"
+    )
     parser.add_argument("--quick", action="store_true", help="smaller sizes, 2 timed steps")
     parser.add_argument("--repeat", type=int, default=None, help="timed steps (default 5)")
     parser.add_argument(
@@ -425,6 +469,7 @@ def main() -> None:
     parser.add_argument("--no-zoo", action="store_true", help="only the anchor")
     parser.add_argument("--out", help="write the markdown report here, and the rows as .json")
     args = parser.parse_args()
+    models = args.models if args.models is not None else list(EXTRA if args.extra else MODELS)
     repeat = args.repeat or (2 if args.quick else 5)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*should be kept in float32.*")
@@ -459,14 +504,19 @@ def main() -> None:
 
     sections: list[str] = []
     rows: list[Row] = []
+    blocks: list[str] = []
     if not args.no_zoo:
-        for m in args.models:
+        for m in models:
             sizes = dict(QUICK[m]) if args.quick else {}
             t = time.perf_counter()
+            if args.extra:
+                blocks.append(block_check(m, sizes))
             rows += run_model(m, sizes, repeat, args.check)
             print(f"{m} done ({time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)
             sections = ["## Summary", "", summary(rows), ""]
             sections += ["## memory_budget at torch's peaks", "", at_torch(rows), ""]
+            if blocks:
+                sections += ["## Block boundaries", "", *BLOCKS_HEADER, *blocks, ""]
             sections += ["## Every configuration", "", table(rows)]
             report(sections, rows)
     if args.anchor:

@@ -26,7 +26,20 @@ from torch import nn
 
 from ckpt_graph._errors import CkptGraphImportError
 
-__all__ = ["SPECS", "Built", "MissingLibrary", "Spec", "build", "estimate_bytes"]
+__all__ = [
+    "SPECS",
+    "Built",
+    "MissingLibrary",
+    "Spec",
+    "build",
+    "estimate_bytes",
+    "heads_for",
+    "images",
+    "in_call_order",
+    "load_library",
+    "rough_bytes",
+    "tokens_loss",
+]
 
 # Note [Third-party zoo sizes]
 # The zoo is the benchmark of "models nobody tuned for" (benchmarks/bench_zoo.py), so each entry
@@ -180,10 +193,15 @@ SPECS: dict[str, Spec] = {
 
 def estimate_bytes(name: str, layers: int, width: int, batch: int, seq_len: int) -> int:
     """Rough upper estimate of one step's memory without checkpointing, in bytes (fp32)."""
-    spec = SPECS[name]
     if name == "hf-vit":  # a transformer over 4 x 4 patches: its tokens are the patches
-        seq_len = (seq_len // 4) ** 2
-    elif spec.sizes.endswith(_IMAGE):  # activations: per image, channels x pixels x ops
+        return rough_bytes(layers, width, batch, (seq_len // 4) ** 2, image=False)
+    return rough_bytes(layers, width, batch, seq_len, SPECS[name].sizes.endswith(_IMAGE))
+
+
+def rough_bytes(layers: int, width: int, batch: int, seq_len: int, image: bool) -> int:
+    """Rough upper estimate of one step's memory, in bytes (fp32), of a text model (``seq_len``
+    tokens) or, with ``image``, of an image model (``seq_len`` x ``seq_len`` pixels)."""
+    if image:  # activations: per image, channels x pixels x ops
         params = 64 * max(layers, 8) * (8 * width) ** 2
         acts = 64 * batch * width * seq_len * seq_len * max(layers, 4)
         return 4 * (3 * params + acts)
@@ -203,30 +221,40 @@ def build(
     Raises:
         MissingLibrary: the model's library is not installed.
     """
-    spec = SPECS[name]
-    if spec.library != "torch":
-        try:
-            lib: Any = importlib.import_module(spec.library)
-        except ImportError:
-            raise MissingLibrary(
-                f"ckpt_graph: --model {name} needs the {spec.library!r} package (pip install "
-                f"{spec.library}); the embedded models gpt, mlp and cnn need nothing"
-            ) from None
-    else:
-        lib = torch
+    lib = load_library(name, SPECS[name])
     layers, width, batch, seq_len = (sizes[k] for k in ("layers", "width", "batch", "seq_len"))
     builder = _BUILDERS[name]
     return builder(lib, layers, width, batch, seq_len, dropout, gen)
 
 
-def _heads(width: int, head_size: int = 64) -> int:
+def load_library(name: str, spec: Spec) -> Any:
+    """The module of ``spec.library`` (``torch`` itself for plain PyTorch models).
+
+    Raises:
+        MissingLibrary: the library is not installed; the message names model ``name``.
+    """
+    if spec.library == "torch":
+        return torch
+    try:
+        return importlib.import_module(spec.library)
+    except ImportError:
+        raise MissingLibrary(
+            f"ckpt_graph: --model {name} needs the {spec.library!r} package (pip install "
+            f"{spec.library}); the embedded models gpt, mlp and cnn need nothing"
+        ) from None
+
+
+def heads_for(width: int, head_size: int = 64) -> int:
+    """Attention heads for ``width``: about ``head_size`` per head, dividing it, at least one."""
     heads = max(1, width // head_size)
     while width % heads:
         heads -= 1
     return heads
 
 
-def _tokens_loss(target: torch.Tensor) -> Callable[[object], torch.Tensor]:
+def tokens_loss(target: torch.Tensor) -> Callable[[object], torch.Tensor]:
+    """Cross-entropy of an output's ``logits`` (classes last) against ``target``."""
+
     def loss(out: object) -> torch.Tensor:
         logits = getattr(out, "logits", out)
         assert isinstance(logits, torch.Tensor)
@@ -235,7 +263,8 @@ def _tokens_loss(target: torch.Tensor) -> Callable[[object], torch.Tensor]:
     return loss
 
 
-def _images(batch: int, side: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def images(batch: int, side: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` random RGB images of ``side`` x ``side`` pixels and labels of 10 classes."""
     return torch.randn(batch, 3, side, side, generator=gen), torch.randint(
         0, 10, (batch,), generator=gen
     )
@@ -249,7 +278,7 @@ def _bert(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, gen
         vocab_size=_VOCAB,
         hidden_size=width,
         num_hidden_layers=layers,
-        num_attention_heads=_heads(width),
+        num_attention_heads=heads_for(width),
         intermediate_size=4 * width,
         max_position_embeddings=max(seq, 8),
         hidden_dropout_prob=p,
@@ -258,7 +287,7 @@ def _bert(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, gen
     model = lib.BertForMaskedLM(cfg)
     ids = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
     labels = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
-    return Built(model, list(model.bert.encoder.layer), (ids,), _tokens_loss(labels))
+    return Built(model, list(model.bert.encoder.layer), (ids,), tokens_loss(labels))
 
 
 def _t5(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, gen: Any) -> Built:
@@ -269,7 +298,7 @@ def _t5(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, gen: 
         d_ff=4 * width,
         num_layers=layers,
         num_decoder_layers=layers,
-        num_heads=_heads(width),
+        num_heads=heads_for(width),
         dropout_rate=p,
         use_cache=False,
         decoder_start_token_id=0,
@@ -279,7 +308,7 @@ def _t5(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, gen: 
     dec = torch.randint(0, _VOCAB, (batch, max(1, seq // 2)), generator=gen)
     labels = torch.randint(0, _VOCAB, dec.shape, generator=gen)
     blocks = [*model.encoder.block, *model.decoder.block]
-    return Built(model, blocks, (ids, torch.ones_like(ids), dec), _tokens_loss(labels))
+    return Built(model, blocks, (ids, torch.ones_like(ids), dec), tokens_loss(labels))
 
 
 def _mixtral(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, gen: Any) -> Built:
@@ -288,8 +317,8 @@ def _mixtral(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, 
         hidden_size=width,
         intermediate_size=2 * width,
         num_hidden_layers=layers,
-        num_attention_heads=_heads(width),
-        num_key_value_heads=_heads(width),
+        num_attention_heads=heads_for(width),
+        num_key_value_heads=heads_for(width),
         num_local_experts=4,
         num_experts_per_tok=2,
         max_position_embeddings=max(seq, 8),
@@ -300,7 +329,7 @@ def _mixtral(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, 
     model = lib.MixtralForCausalLM(cfg)
     ids = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
     labels = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
-    return Built(model, list(model.model.layers), (ids,), _tokens_loss(labels))
+    return Built(model, list(model.model.layers), (ids,), tokens_loss(labels))
 
 
 def _vit(lib: Any, layers: int, width: int, batch: int, side: int, p: float, gen: Any) -> Built:
@@ -309,15 +338,15 @@ def _vit(lib: Any, layers: int, width: int, batch: int, side: int, p: float, gen
         patch_size=4,
         hidden_size=width,
         num_hidden_layers=layers,
-        num_attention_heads=_heads(width),
+        num_attention_heads=heads_for(width),
         intermediate_size=4 * width,
         num_labels=10,
         hidden_dropout_prob=p,
         attention_probs_dropout_prob=p,
     )
     model = lib.ViTForImageClassification(cfg)
-    x, y = _images(batch, side, gen)
-    return Built(model, list(model.vit.layers), (x,), _tokens_loss(y))
+    x, y = images(batch, side, gen)
+    return Built(model, list(model.vit.layers), (x,), tokens_loss(y))
 
 
 def _swin(lib: Any, layers: int, width: int, batch: int, side: int, p: float, gen: Any) -> Built:
@@ -335,9 +364,9 @@ def _swin(lib: Any, layers: int, width: int, batch: int, side: int, p: float, ge
         drop_path_rate=0.0,
     )
     model = lib.SwinForImageClassification(cfg)
-    x, y = _images(batch, side, gen)
+    x, y = images(batch, side, gen)
     blocks = [b for stage in model.swin.encoder.layers for b in stage.blocks]
-    return Built(model, blocks, (x,), _tokens_loss(y))
+    return Built(model, blocks, (x,), tokens_loss(y))
 
 
 def _stage_depths(layers: int) -> list[int]:
@@ -356,9 +385,9 @@ def _convnext(
         drop_path_rate=0.0,
     )
     model = lib.ConvNextForImageClassification(cfg)
-    x, y = _images(batch, side, gen)
+    x, y = images(batch, side, gen)
     blocks = [b for stage in model.convnext.encoder.stages for b in stage.layers]
-    return Built(model, blocks, (x,), _tokens_loss(y))
+    return Built(model, blocks, (x,), tokens_loss(y))
 
 
 def _mobilenet(
@@ -368,8 +397,8 @@ def _mobilenet(
         image_size=side, depth_multiplier=width / 32, num_labels=10, classifier_dropout_prob=p
     )
     model = lib.MobileNetV2ForImageClassification(cfg)
-    x, y = _images(batch, side, gen)
-    return Built(model, list(model.mobilenet_v2.layer), (x,), _tokens_loss(y))
+    x, y = images(batch, side, gen)
+    return Built(model, list(model.mobilenet_v2.layer), (x,), tokens_loss(y))
 
 
 def _efficientnet(
@@ -389,8 +418,8 @@ def _efficientnet(
     # while the top convolution's output does: set it to what that convolution produces.
     cfg.hidden_dim = m.round_filters(cfg, 1280)
     model = lib.EfficientNetForImageClassification(cfg)
-    x, y = _images(batch, side, gen)
-    return Built(model, list(model.efficientnet.encoder.blocks), (x,), _tokens_loss(y))
+    x, y = images(batch, side, gen)
+    return Built(model, list(model.efficientnet.encoder.blocks), (x,), tokens_loss(y))
 
 
 def _resnet(lib: Any, layers: int, width: int, batch: int, side: int, p: float, gen: Any) -> Built:
@@ -403,9 +432,9 @@ def _resnet(lib: Any, layers: int, width: int, batch: int, side: int, p: float, 
         num_labels=10,
     )
     model = lib.ResNetForImageClassification(cfg)
-    x, y = _images(batch, side, gen)
+    x, y = images(batch, side, gen)
     blocks = [b for stage in model.resnet.encoder.stages for b in stage.layers]
-    return Built(model, blocks, (x,), _tokens_loss(y))
+    return Built(model, blocks, (x,), tokens_loss(y))
 
 
 def _unet(lib: Any, layers: int, width: int, batch: int, side: int, p: float, gen: Any) -> Built:
@@ -429,7 +458,7 @@ def _unet(lib: Any, layers: int, width: int, batch: int, side: int, p: float, ge
     def loss(out: object) -> torch.Tensor:
         return F.mse_loss(out.sample.float(), noise)  # type: ignore[attr-defined]
 
-    return Built(model, _in_call_order(model, (x, t), candidates), (x, t), loss)
+    return Built(model, in_call_order(model, (x, t), candidates), (x, t), loss)
 
 
 class _Loop(nn.Module):
@@ -454,17 +483,17 @@ class _Loop(nn.Module):
 def _loop(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, gen: Any) -> Built:
     blocks: list[nn.Module] = [
         nn.TransformerEncoderLayer(
-            width, _heads(width), 4 * width, p, batch_first=True, norm_first=True
+            width, heads_for(width), 4 * width, p, batch_first=True, norm_first=True
         )
         for _ in range(layers)
     ]
     model = _Loop(blocks, nn.Linear(width, 1024))
     x = torch.randn(batch, seq, width, generator=gen)
     labels = torch.randint(0, 1024, (batch, seq), generator=gen)
-    return Built(model, blocks, (x,), _tokens_loss(labels))
+    return Built(model, blocks, (x,), tokens_loss(labels))
 
 
-def _in_call_order(
+def in_call_order(
     model: nn.Module, inputs: tuple[torch.Tensor, ...], modules: Sequence[nn.Module]
 ) -> list[nn.Module]:
     """``modules`` in the order one forward first calls them (no gradients; RNG restored)."""

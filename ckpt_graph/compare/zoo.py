@@ -25,12 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckpt_graph._errors import CkptGraphValueError
-from ckpt_graph.compare import third_party
+from ckpt_graph.compare import beyond_zoo, third_party
 from ckpt_graph.compare.architectures import GPT, ConvNet, ResidualMLP
 
 # Models of other libraries (transformers, diffusers, torch.nn layers): the benchmark zoo.
 THIRD_PARTY: tuple[str, ...] = tuple(third_party.SPECS)
-MODELS = ("gpt", "mlp", "cnn", "hf-gpt2", "hf-llama", *THIRD_PARTY)
+# Models beyond the zoo (``beyond_zoo``): built like the zoo's, outside its benchmark.
+EXTRA: tuple[str, ...] = tuple(beyond_zoo.SPECS)
+MODELS = ("gpt", "mlp", "cnn", "hf-gpt2", "hf-llama", *THIRD_PARTY, *EXTRA)
 
 
 class WorkloadError(CkptGraphValueError):
@@ -66,7 +68,7 @@ DEFAULTS: dict[str, ModelDefaults] = {
     # See Note [Third-party zoo sizes].
     **{
         n: ModelDefaults(s.layers, s.width, s.batch, s.seq_len)
-        for n, s in third_party.SPECS.items()
+        for n, s in (third_party.SPECS | beyond_zoo.SPECS).items()
     },
 }
 
@@ -141,6 +143,8 @@ def estimate_bytes(name: str, layers: int, width: int, batch: int, seq_len: int)
     """
     if name in third_party.SPECS:
         return third_party.estimate_bytes(name, layers, width, batch, seq_len)
+    if name in beyond_zoo.SPECS:
+        return beyond_zoo.estimate_bytes(name, layers, width, batch, seq_len)
     if name == "mlp":
         params = layers * 8 * width * width
         acts = layers * batch * width * 12
@@ -241,9 +245,10 @@ def build_workload(
             True,
             sizes,  # type: ignore[arg-type]
         )
-    if name in third_party.SPECS:
+    if name in third_party.SPECS or name in beyond_zoo.SPECS:
+        source = third_party if name in third_party.SPECS else beyond_zoo
         try:
-            built = third_party.build(name, sizes, dropout, gen)
+            built = source.build(name, sizes, dropout, gen)
         except third_party.MissingLibrary as e:
             raise WorkloadError(str(e).removeprefix("ckpt_graph: ")) from None
         model = built.model

@@ -18,7 +18,10 @@ simulator alike. ``save_recompute_policy(cache_limit=...)`` is validated by
 #    values cached for later unpacks or ops: the realizes before it (the transposed weight
 #    of the last linear layer, a view of a kept value, comes first in most models) cache
 #    nothing, and guessing which saved tensor is unpacked first (the last one saved, once)
-#    left one region over most models unbounded. That realize is collected (rule 2) and
+#    left one region over most models unbounded. A realize that would cache less than
+#    ``BOUND_MIN_BYTES`` decides nothing either when the pass's recomputed storages hold
+#    more (CLIP's first such realize caches its 4-byte logit scale, and deciding there left
+#    the pass unbounded at no checkpointing's peak, 2.6x torch per block's). That realize is collected (rule 2) and
 #    the bytes it would cache counted exactly, by storage; the cuts are planned then, for
 #    the least peak P of the cache (with the gradients alive at that unpack, see
 #    ``step_gradient_bytes``). The pass is bounded when that realize would cache at least
@@ -242,15 +245,15 @@ class Bound:
     def decide(self, v: int, min_bytes: int) -> bool | None:
         """The automatic bound's decision at a realize of ``v``: whether the pass is
         bounded, ``None`` when that realize caches nothing for later (rule 1)."""
+        assert self.profile is not None
         order, need = collect(self.g, (v,), self.kept, self.cached)
         held = self.held_bytes(order, need)
-        if held == 0:
-            return None
+        if held == 0 or (held < min_bytes and self.profile.saved_bytes >= min_bytes):
+            return None  # a scalar (CLIP's logit scale) says nothing of the pass: wait
         self.undecided = False
         if held < min_bytes:
             self.profile = None
             return False
-        assert self.profile is not None
         plan = self.profile.plan(extra=step_gradient_bytes(self.g, v))
         if not plan.cuts or held < 2 * plan.peak:
             self.profile = None

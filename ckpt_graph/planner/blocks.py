@@ -15,8 +15,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,6 +54,18 @@ __all__ = ["Blocks", "block_ids", "find_blocks", "module_blocks", "repeated_bloc
 #       nested in a chosen one, or containing it, always overlaps);
 #    f. blocks that cover less than ``_MIN_COVER`` of the op nodes are no blocks: in a
 #       region over one layer the repeated calls (its linear layers) are parts of the layer.
+#    g. (applied to the winner of a-d, before e) a class whose top calls each lie inside a top
+#       call of a repeated class is a part of those enclosing calls, which are then the
+#       blocks whatever their classes, if (i) it covers less than ``_NEAR`` of them together
+#       with the branching calls beside it there (what rule e would add), or (ii) some
+#       enclosing call holds two of its calls and ops run between every two that share one:
+#       blocks of a stage run back to back (``for layer in layers: h = layer(h)``), the
+#       attentions of a decoder layer have a residual sum and a norm between them. BART's
+#       encoder and decoder layers are two classes of two calls each and its attention
+#       (six calls, one class) covers 74% of them: the layers are the blocks. A stage whose
+#       blocks cover nearly all of it and run back to back (ConvNeXt, ResNet, Swin) keeps
+#       its blocks (rule c), and so does a VAE's middle level: its attention fills the rest
+#       beside its ResNet blocks, and the ResNet blocks of its upper levels run back to back.
 #    Classes, not names, make this hold for blocks that a Python loop calls without a parent
 #    module (each is then an outermost module named ``""``) and for blocks spread over
 #    several containers.
@@ -147,6 +160,55 @@ def _branches(g: SimGraph, first: int, last: int) -> bool:
     return False
 
 
+def _covered(calls: Sequence[ModuleCall], span: dict[ModuleCall, list[int]]) -> int:
+    return sum(span[c][1] - span[c][0] + 1 for c in calls)
+
+
+def _wholes(
+    chosen: list[type],
+    tops: dict[type, list[ModuleCall]],
+    span: dict[ModuleCall, list[int]],
+    branching: Callable[[type], bool],
+) -> list[type]:
+    """Rule 1g of Note [Block boundaries]: while the chosen classes' top calls are parts of
+    top calls of other repeated classes, those are the blocks (by class, in forward order)."""
+    repeated = {c: cls for cls, cs in tops.items() if len(cs) >= 2 for c in cs}
+    while True:
+        inner = [c for cls in chosen for c in tops[cls]]
+        outer: dict[ModuleCall, list[ModuleCall]] = {}
+        for c in sorted(inner, key=lambda c: span[c][0]):
+            up = c.parent
+            while up is not None and up not in repeated:
+                up = up.parent
+            if up is None:
+                return chosen
+            outer.setdefault(up, []).append(c)
+        if len(outer) < 2:
+            return chosen
+        # 1g(ii): calls that share an enclosing call, with ops between each two of them
+        held = [cs for cs in outer.values() if len(cs) >= 2]
+        apart = bool(held) and all(
+            span[a][1] + 1 < span[b][0] for cs in held for a, b in pairwise(cs)
+        )
+        taken = [span[c] for c in inner]
+        for c, cls in repeated.items():  # what rule 1e would add inside the enclosing calls
+            if cls in chosen or not branching(cls) or not _inside(c, outer):
+                continue
+            if not any(a[0] <= span[c][1] and span[c][0] <= a[1] for a in taken):
+                taken.append(span[c])
+        small = sum(b - a + 1 for a, b in taken) < _NEAR * _covered(list(outer), span)
+        if not (small or apart):
+            return chosen
+        chosen = list(dict.fromkeys(repeated[c] for c in sorted(outer, key=lambda c: span[c][0])))
+
+
+def _inside(call: ModuleCall, outer: dict[ModuleCall, list[ModuleCall]]) -> bool:
+    up = call.parent
+    while up is not None and up not in outer:
+        up = up.parent
+    return up is not None
+
+
 def module_blocks(calls: Sequence[ModuleCall | None], g: SimGraph | None = None) -> Blocks:
     """Blocks from the module calls of each op node: rule 1 of Note [Block boundaries].
 
@@ -191,14 +253,16 @@ def module_blocks(calls: Sequence[ModuleCall | None], g: SimGraph | None = None)
         return (branching(cls), len(tops[cls]), cover[cls], -first_call[cls])
 
     near = sorted((cls for cls, n in cover.items() if n >= _NEAR * best), key=rank, reverse=True)
-    chosen = [near[0]]
-    taken = [span[c] for c in tops[near[0]]]
+    chosen = _wholes([near[0]], tops, span, branching)
+    taken = [span[c] for cls in chosen for c in tops[cls]]
     for cls in near[1:]:  # rule 1e: branching classes beside the blocks (a UNet's attention)
+        if cls in chosen:
+            continue
         spans = [span[c] for c in tops[cls]]
         if branching(cls) and not any(a[0] <= b[1] and b[0] <= a[1] for a in spans for b in taken):
             chosen.append(cls)
             taken += spans
-    if sum(cover[cls] for cls in chosen) < _MIN_COVER * len(calls):
+    if sum(_covered(tops[cls], span) for cls in chosen) < _MIN_COVER * len(calls):
         return Blocks(tuple([-1] * len(calls)), "none")  # rule 1f: parts of one layer
     blocks = sorted((c for cls in chosen for c in tops[cls]), key=lambda c: span[c][0])
     ids = [-1] * len(calls)
