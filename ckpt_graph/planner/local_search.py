@@ -160,8 +160,8 @@ class Search:
         while heap and self.peak(r) > self.budget:
             _, op = heapq.heappop(heap)
             fresh = self.marginal(op, kept)
-            if fresh == float("inf"):  # over the counted-FLOPs cap: so is every op left
-                break
+            if fresh == float("inf"):  # over the counted-FLOPs cap now, and after more drops
+                continue
             if heap and fresh > heap[0][0] + 1e-12:
                 heapq.heappush(heap, (fresh, op))
                 continue
