@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from ckpt_graph.planner.liveness import SimGraph
 from ckpt_graph.policies.builtins import MATMUL_OP_NAMES
 
-__all__ = ["MATMUL_OPS", "hand_seeds"]
+__all__ = ["MATMUL_OPS", "counted_flops", "hand_seeds"]
 
 # At most this many ``dense matmuls/<r>`` seeds (Note [Hand seeds]).
 _DENSITY_SEEDS = 8
@@ -57,6 +57,19 @@ def short_name(name: str) -> str:
     """``"aten.mm.default"`` -> ``"mm"``."""
     parts = name.split(".")
     return parts[1] if len(parts) >= 3 else name
+
+
+def counted_flops(g: SimGraph) -> tuple[int, ...]:
+    """FLOPs each op of ``g`` adds to ``FlopCounterMode``'s count per run: its cost if it is
+    matmul-class (costed by its FLOPs, Note [Recompute cost model]), else 0.
+
+    See Note [Counted FLOPs cap].
+
+    Example:
+        >>> counted_flops(graph)  # doctest: +SKIP
+        (0, 2097152, 0, 0)
+    """
+    return tuple(op.cost if short_name(op.name) in MATMUL_OPS else 0 for op in g.ops)
 
 
 def _dense_matmuls(g: SimGraph, matmuls: frozenset[int]) -> dict[str, frozenset[int]]:

@@ -10,6 +10,7 @@ import heapq
 import itertools
 from collections.abc import Iterable, Sequence
 
+from ckpt_graph.planner.hand_seeds import counted_flops
 from ckpt_graph.planner.liveness import SimGraph, SimResult, count_uses, simulate
 
 __all__ = ["EXCHANGE", "SIM_GUIDED", "Refinement", "Search"]
@@ -27,14 +28,19 @@ EXCHANGE = 64
 _NO_BOUND = float("inf")
 
 
-def _run_cost(g: SimGraph, kept: Sequence[bool]) -> int:
-    """Recompute cost of a plan given per-value kept flags (the simulator's run sweep)."""
+def _ran(g: SimGraph, kept: Sequence[bool]) -> list[bool]:
+    """Which ops a plan runs in backward, given per-value kept flags (the simulator's run
+    sweep)."""
     uses = [0] * len(g.values)
     for _, v in g.saved:
         if not kept[v]:
             uses[v] += 1
-    runs = count_uses(g.pass_graph, kept, uses)
-    return sum(op.cost for op, ran in zip(g.ops, runs, strict=True) if ran)
+    return [bool(n) for n in count_uses(g.pass_graph, kept, uses)]
+
+
+def _run_cost(g: SimGraph, kept: Sequence[bool]) -> int:
+    """Recompute cost of a plan given per-value kept flags (the simulator's run sweep)."""
+    return sum(op.cost for op, ran in zip(g.ops, _ran(g, kept), strict=True) if ran)
 
 
 def _flags(g: SimGraph, kept_ops: Iterable[int]) -> list[bool]:
@@ -79,6 +85,9 @@ class Search:
         self.evals = 0
         self.extra = 0
         self._cache: dict[frozenset[int], SimResult] = {}
+        # a bound on the plan's counted FLOPs (None: none); See Note [Counted FLOPs cap].
+        self.cap: int | None = None
+        self._counted: tuple[int, ...] | None = None
         # for Refinement's replays; off for solve, whose evaluation counts it would change
         self._marginals: dict[tuple[int, frozenset[int]], float] | None = (
             {} if cache_marginals else None
@@ -87,6 +96,25 @@ class Search:
     def peak(self, r: SimResult) -> int:
         """The simulated peak of ``r`` that the budget bounds."""
         return r.peak_total_bytes if self.total else r.peak_bytes
+
+    def counted_ops(self) -> tuple[int, ...]:
+        """Counted FLOPs of one run of each op (``hand_seeds.counted_flops``)."""
+        if self._counted is None:
+            self._counted = counted_flops(self.g)
+        return self._counted
+
+    def counted(self, r: SimResult) -> int:
+        """FLOPs of ``r``'s recompute as ``FlopCounterMode`` counts them (matmul-class op
+        runs). See Note [Counted FLOPs cap]."""
+        return sum(c * n for c, n in zip(self.counted_ops(), r.runs, strict=False) if c and n)
+
+    def capped(self, r: SimResult) -> bool:
+        """Whether ``r`` is within the counted-FLOPs cap (always, without one)."""
+        return self.cap is None or self.counted(r) <= self.cap
+
+    def fits(self, r: SimResult) -> bool:
+        """Whether ``r`` is an answer: within the budget and the counted-FLOPs cap."""
+        return self.peak(r) <= self.budget and self.capped(r)
 
     def sim(self, kept: Iterable[int]) -> SimResult:
         key = frozenset(kept)
@@ -107,7 +135,13 @@ class Search:
         if self._marginals is not None and key in self._marginals:
             return self._marginals[key]
         self.evals += 1
-        cost = _run_cost(g, _flags(g, kept - {op})) - _run_cost(g, _flags(g, kept))
+        ran = _ran(g, _flags(g, kept - {op}))
+        if self.cap is not None:  # a drop that makes a counted op run: never worth it
+            counted = self.counted_ops()
+            if sum(c for c, x in zip(counted, ran, strict=True) if x) > self.cap:
+                return float("inf")
+        after = sum(o.cost for o, x in zip(g.ops, ran, strict=True) if x)
+        cost = after - _run_cost(g, _flags(g, kept))
         value = cost / max(_own_bytes(g, op), 1)
         if self._marginals is not None:
             self._marginals[key] = value
@@ -126,6 +160,8 @@ class Search:
         while heap and self.peak(r) > self.budget:
             _, op = heapq.heappop(heap)
             fresh = self.marginal(op, kept)
+            if fresh == float("inf"):  # over the counted-FLOPs cap now, and after more drops
+                continue
             if heap and fresh > heap[0][0] + 1e-12:
                 heapq.heappush(heap, (fresh, op))
                 continue
@@ -165,19 +201,22 @@ class Search:
         fit: tuple[SimResult, set[int]] | None = None  # the cheapest plan seen that fits
         # without keeps (large graphs), the drops are ranked by marginal cost once per move
         ranked: list[int] | None = None if adds else []
-        while self.peak(r) > self.budget and not self.spent:
+        while not self.fits(r) and not self.spent:
             if fit is not None and r.recompute_cost >= fit[0].recompute_cost:
                 break
             if r.recompute_cost >= bound:
                 break
             pool = trial - frozen
+            if self.cap is not None:  # dropping a counted op makes it run
+                pool = {o for o in pool if not self.counted_ops()[o]}
             if not pool:
                 break
             if len(pool) > SIM_GUIDED:
                 op = min(pool, key=lambda o: self.marginal(o, trial))
-                trial = trial - {op}
                 frozen.add(op)
-                r = self.sim(trial)
+                after = self.sim(trial - {op})
+                if self.capped(after):  # else the drop makes a counted op run: not a way on
+                    trial, r = trial - {op}, after
                 continue
             if len(pool) > _TRY and ranked is not None:  # ranked once per move
                 if not ranked:
@@ -186,13 +225,17 @@ class Search:
             elif len(pool) > _TRY:  # simulate only the cheapest drops per byte
                 pool = set(sorted(pool, key=lambda o: self.marginal(o, trial))[:_TRY])
             trials = [(self.sim(trial - {o}), o) for o in sorted(pool)]
+            # a drop over the cap stays over it (drops only add runs): not a way on
+            trials = [t for t in trials if self.capped(t[0])]
             if all(self.peak(t[0]) >= self.peak(r) for t in trials):
                 more = set(adds) - trial - frozen
                 if len(more) > _TRY:  # the most recompute saved per byte
                     more = set(sorted(more, key=lambda o: -self.marginal(o, trial | {o}))[:_TRY])
                 ups = [(self.sim(trial | {o}), o) for o in sorted(more)]
                 trials += [t for t in ups if self.peak(t[0]) < self.peak(r)]
-            fits = [t for t in trials if self.peak(t[0]) <= self.budget]
+            if not trials:
+                break
+            fits = [t for t in trials if self.fits(t[0])]
             if fits:
                 t = min(fits, key=lambda t: t[0].recompute_cost)
                 if fit is None or t[0].recompute_cost < fit[0].recompute_cost:
@@ -209,9 +252,7 @@ class Search:
             )
             trial = trial ^ {op}
             frozen.add(op)
-        if fit is not None and (
-            self.peak(r) > self.budget or fit[0].recompute_cost < r.recompute_cost
-        ):
+        if fit is not None and (not self.fits(r) or fit[0].recompute_cost < r.recompute_cost):
             return fit
         return r, trial
 
@@ -256,7 +297,7 @@ class Search:
             if self.spent:
                 break
             t = self.sim(kept | {op})
-            if self.peak(t) <= self.budget and t.recompute_cost < r.recompute_cost:
+            if self.fits(t) and t.recompute_cost < r.recompute_cost:
                 r, kept = t, kept | {op}
         return r, kept
 
@@ -279,7 +320,7 @@ class Search:
             improved = False
             for op in sorted(kept):  # free memory where it costs nothing
                 r = self.sim(kept - {op})
-                if r.recompute_cost <= best.recompute_cost and self.peak(r) <= self.budget:
+                if r.recompute_cost <= best.recompute_cost and self.fits(r):
                     kept, best = kept - {op}, r
             r, trial = self.fill(self._by_saving(set(candidates) - kept, kept), best, kept)
             if r.recompute_cost < best.recompute_cost:  # keeps that fit as they are
@@ -297,10 +338,10 @@ class Search:
                     candidates if exchange else (),
                     _NO_BOUND if exchange else best.recompute_cost,
                 )
-                if self.peak(r) <= self.budget and exchange:
+                if self.fits(r) and exchange:
                     order = sorted(candidates, key=lambda o: -self.g.ops[o].cost)
                     r, trial = self.fill(order, r, trial)
-                if self.peak(r) <= self.budget and r.recompute_cost < best.recompute_cost:
+                if self.fits(r) and r.recompute_cost < best.recompute_cost:
                     kept, best, improved = trial, r, True
             if improved or len(candidates) > _PAIRS:
                 continue
@@ -309,7 +350,7 @@ class Search:
                 if self.spent:
                     break
                 r, trial = self.repair(kept | {a, b}, a)
-                if self.peak(r) <= self.budget and r.recompute_cost < best.recompute_cost:
+                if self.fits(r) and r.recompute_cost < best.recompute_cost:
                     kept, best, improved = trial, r, True
                     break
         return best, kept
