@@ -39,6 +39,7 @@ Phase = Literal["forward", "backward", "recompute"]
 
 _MIB = float(2**20)
 _MARKER = "ckpt_graph::measure"
+_MARK = "ckpt_graph::mark::"  # StepProbe.mark: a zero-length range named after the mark
 # Range-name prefixes that set the phase of the allocations they contain (innermost wins).
 _PHASE_PREFIXES: tuple[tuple[str, Phase], ...] = (
     ("autograd::engine::evaluate_function:", "backward"),
@@ -370,6 +371,10 @@ class StepProbe:
         self._start = 0
         self._abandoned = False
         self._early: int | None = None  # the peak kept when a measure() stopped it
+        self._marks: list[tuple[str, int]] = []  # on CUDA: each mark, the peak before it
+        # the peak of each stretch between marks, named after the mark that starts it
+        # ("start" for the first), from the last stop that gave a peak
+        self.windows: tuple[tuple[str, int], ...] = ()
 
     @property
     def running(self) -> bool:
@@ -406,6 +411,23 @@ class StepProbe:
         _PROBES.append(self)
         return True
 
+    def mark(self, name: str) -> None:
+        """Split the stretch measured here: :attr:`windows` gets the peak before and after
+        this point separately (nothing when not running).
+
+        On CPU a zero-length profiler range named ``ckpt_graph::mark::<name>`` marks the
+        time; on CUDA the peak statistic so far is read and reset.
+        """
+        if not self.running:
+            return
+        if self.device.type == "cuda":
+            index = self._range
+            self._marks.append((name, int(torch.cuda.max_memory_allocated(index) - self._start)))
+            torch.cuda.reset_peak_memory_stats(index)
+            return
+        with record_function(_MARK + name):
+            pass
+
     def abandon(self) -> None:
         """Stop without a result (:func:`measure` was asked for while the probe ran, or the
         interpreter exits), unless the stretch had ended: its peak is then kept."""
@@ -426,11 +448,16 @@ class StepProbe:
             early, self._early = self._early, None
             return early
         abandoned, self._abandoned = self._abandoned, False
+        self.windows = ()
         try:
             if self.device.type == "cuda":
                 index = self._range
                 torch.cuda.synchronize(index)
-                return int(torch.cuda.max_memory_allocated(index) - self._start)
+                last = int(torch.cuda.max_memory_allocated(index) - self._start)
+                names = ["start"] + [n for n, _ in self._marks]
+                peaks = [p for _, p in self._marks] + [last]
+                self.windows = tuple(zip(names, peaks, strict=True))
+                return max(peaks)
             # A profiler the program started meanwhile took the session over (torch keeps
             # one): if it has stopped, none is enabled now, and ours recorded nothing since.
             lost = not torch._C._autograd._profiler_enabled()
@@ -446,16 +473,41 @@ class StepProbe:
             if results is None or abandoned:
                 return None
             try:
-                return _replay(results.experimental_event_tree()).peak_bytes
+                marks: list[tuple[float, str]] = []
+                report = _replay(results.experimental_event_tree(), marks)
+                self.windows = _windows(report.timeline, marks)
+                return report.peak_bytes
             except CkptGraphError:  # no events: another session took them
                 self.why = "a profiler the program started took over the measured step"
                 return None
         finally:
             self._range = None
             self._prof = None
+            self._marks = []
             if self in _PROBES:
                 _PROBES.remove(self)
             _MEASURE_LOCK.release()
+
+
+def _windows(
+    timeline: tuple[MemoryPoint, ...], marks: list[tuple[float, str]]
+) -> tuple[tuple[str, int], ...]:
+    """The peak level of each stretch of ``timeline`` between ``marks`` (time, name), named
+    after the mark that starts it ("start" for the first). The level when a stretch starts
+    counts in it: what was live then still is."""
+    names = ["start"] + [n for _, n in marks]
+    peaks = [0] * len(names)
+    k = level = 0
+    for p in timeline:
+        while k < len(marks) and marks[k][0] <= p.time_us:
+            k += 1
+            peaks[k] = level
+        level = p.allocated_bytes
+        peaks[k] = max(peaks[k], level)
+    while k < len(marks):
+        k += 1
+        peaks[k] = level
+    return tuple(zip(names, peaks, strict=True))
 
 
 @contextlib.contextmanager
@@ -476,8 +528,13 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def _replay(roots: list[Any]) -> MemoryReport:
-    """Replays the CPU allocation events inside the marker range. See Note [Measuring CPU memory]."""
+def _replay(roots: list[Any], marks: list[tuple[float, str]] | None = None) -> MemoryReport:
+    """Replays the CPU allocation events inside the marker range. See Note [Measuring CPU memory].
+
+    ``marks``, if given, gets the ``StepProbe.mark`` ranges inside it: (microseconds since
+    the start, name), in time order.
+    """
+    found: list[tuple[int, str]] = []
     allocs: list[tuple[int, int, int, str]] = []  # (time_ns, ptr, signed size, op)
     ranges: list[tuple[int, int, Phase]] = []  # (start_ns, end_ns, phase)
     window: tuple[int, int] | None = None
@@ -498,6 +555,8 @@ def _replay(roots: list[Any]) -> MemoryReport:
             ranges.append((event.start_time_ns, event.end_time_ns, kind))
         elif name == _MARKER and window is None:
             window = (event.start_time_ns, event.end_time_ns)
+        elif name.startswith(_MARK):
+            found.append((event.start_time_ns, name[len(_MARK) :]))
         if not op and name.startswith("aten::"):
             op = name
         # Pre-order, so that events with equal times keep their order through the stable sort.
@@ -507,6 +566,10 @@ def _replay(roots: list[Any]) -> MemoryReport:
     if window is None:
         raise CkptGraphError("ckpt_graph: measure() found no events from the profiler")
     start_ns, end_ns = window
+    if marks is not None:
+        marks.extend(
+            sorted(((t - start_ns) / 1000, n) for t, n in found if start_ns <= t <= end_ns)
+        )
     allocs = sorted((a for a in allocs if start_ns <= a[0] <= end_ns), key=lambda a: a[0])
     ranges.sort()
 

@@ -39,6 +39,7 @@ from ckpt_graph.planner.records import (
     StepPlan,
 )
 from ckpt_graph.planner.region_graph import input_bytes, region_graph
+from ckpt_graph.planner.sim_graph import with_before_backward
 from ckpt_graph.planner.solve import solve, solve_from
 from ckpt_graph.planner.step_budget import plan_jointly, step_budget_bytes
 
@@ -127,6 +128,7 @@ class BudgetPlanner:
         # a warm start's search, continued at later steps (Note [Warm start at a new size])
         self._refining: tuple[int, RegionGraph, int, Refinement] | None = None
         self._cache = _PlanCache()
+        self._inputs = 0  # activation inputs of a step of one region
 
     @property
     def _fraction(self) -> bool:
@@ -152,7 +154,8 @@ class BudgetPlanner:
             self._refine()
         self._seen = []
         self._storages = set()
-        self.check.start(self._predicted(), ended)
+        predicted, boundary = self._predicted()
+        self.check.start(predicted, ended, boundary)
         pending, self._pending = self._pending, None
         if pending is not None:
             if self.check.measuring:  # the measured step decides (Note [Measured budget check])
@@ -165,7 +168,7 @@ class BudgetPlanner:
         when the next step will be measured: the re-planned step measures within the
         budget (no warning) or warns once with the measured figures (rule 3 of Note
         [Measured budget check])."""
-        if self.check.correction and not self._fraction:
+        if self.check.corrected and not self._fraction:
             self._pending = message  # decided when the next step starts
         else:
             warnings.warn(message, stacklevel=6)
@@ -267,11 +270,16 @@ class BudgetPlanner:
         cached = self._cache.get(graph.signature)
         if cached is not None:  # planned before: See rule 8 of Note [Memory budget policy].
             self._plans.setdefault(seen.ordinal, cached)  # the own plan is still tried first
+            self._inputs = seen.inputs
             self._last = cached.report
             self._step_plan = None
             return
         budget = step_budget_bytes([seen], self._budget)  # See Note [Memory budget policy] rule 1.
         limit = budget + graph.outside - seen.inputs - self.check.correction
+        # the loss's backward outside the region, at its boundary (Note [Phases of a measured
+        # step]): the simulator adds it to the kept values there
+        graph.g = with_before_backward(graph.g, self.check.before_backward or 0)
+        self._inputs = seen.inputs
         ref = None
         option: Option | None = None
         if graph.warm is not None:
@@ -343,7 +351,14 @@ class BudgetPlanner:
     def _plan_jointly(self) -> None:
         """The DP of rule 3 of Note [Step budget across regions]."""
         budget = step_budget_bytes(self._seen, self._budget)
-        plans, step = plan_jointly(self._seen, budget - self.check.correction)
+        # the boundary is the step's, not a region's: See Note [Phases of a measured step].
+        for s in self._seen:
+            if s.graph.g.before_backward_bytes:
+                s.graph.g = with_before_backward(s.graph.g, 0)
+                s.graph.menu = s.graph.everything = None
+        plans, step = plan_jointly(
+            self._seen, budget - self.check.correction, self.check.before_backward or 0
+        )
         step = replace(step, budget_bytes=budget, correction_bytes=self.check.correction)
         if not step.feasible and not self._warned_step:
             self._warned_step = True
@@ -358,17 +373,23 @@ class BudgetPlanner:
             self._last = plan.report
         self._step_plan = step
 
-    def _predicted(self) -> int | None:
-        """What the plans predict for what the budget bounds, None without a plan.
+    def _predicted(self) -> tuple[int | None, int]:
+        """What the plans predict for what the budget bounds (None without a plan), and for
+        what they hold when the regions' backward starts.
 
-        See Note [Measured budget check] rule 2.
+        See Note [Measured budget check] rule 2 and Note [Phases of a measured step].
         """
-        if self._step_plan is not None:
-            return self._step_plan.predicted_peak_bytes
+        step = self._step_plan
+        if step is not None:
+            return step.predicted_peak_bytes, step.predicted_boundary_bytes
         plan = self._plans.get(0)
         if plan is None or plan.graph is None:
-            return None
-        return plan.report.predicted_total_peak_bytes - plan.graph.outside
+            return None, 0
+        r, outside = plan.report, plan.graph.outside
+        return (
+            r.predicted_total_peak_bytes - outside + self._inputs,
+            r.predicted_kept_bytes - outside + self._inputs,
+        )
 
     def measure_step(self) -> None:
         """Compare the step that just ended with its prediction; plan again once if it
@@ -407,6 +428,7 @@ class BudgetPlanner:
             fraction=self._budget if self._fraction else None,
             measured_peak_bytes=self._measured_bytes(),
             correction_bytes=self.check.correction,
+            before_backward_bytes=self.check.before_backward or 0,
             checked=self._checked(),
             step=step,
             regions=step.rows if step is not None else (),

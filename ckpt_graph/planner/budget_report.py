@@ -42,6 +42,8 @@ class BudgetReport(PlanReport):
             measured.
         correction_bytes: taken off a byte budget for memory the step measured outside the
             plan's model.
+        before_backward_bytes: planned for beyond that on top of the kept values when the
+            regions' backward starts (Note [Phases of a measured step]).
         step: the joint plan of the step when it has several regions.
         regions: the plan of each region of that step, by ordinal.
     """
@@ -50,6 +52,7 @@ class BudgetReport(PlanReport):
     fraction: float | None = None
     measured_peak_bytes: int | None = None
     correction_bytes: int = 0
+    before_backward_bytes: int = 0
     step: StepPlan | None = None
     regions: tuple[PlanReport, ...] = ()
     checked: str = ""
@@ -62,7 +65,9 @@ class BudgetReport(PlanReport):
             "keeps without checkpointing"
             if self.fraction is not None
             else "the step's measured peak (planned against the region's activations plus "
-            f"{_mib(self.correction_bytes)} measured outside them)"
+            f"{_mib(self.correction_bytes)} measured outside them"
+            + _boundary(self.correction_bytes, self.before_backward_bytes)
+            + ")"
         )
         fits = _fits(self.feasible, self.fraction, self.budget_bytes, self.measured_peak_bytes)
         lines = [
@@ -88,6 +93,16 @@ class BudgetReport(PlanReport):
         return "\n".join(lines)
 
 
+def _boundary(correction: int, before: int) -> str:
+    """The boundary term of Note [Phases of a measured step], for the reports."""
+    if not before:
+        return ""
+    return (
+        f", and {_mib(correction + before)} on top of the kept values when the regions' "
+        "backward starts: the loss's backward outside them"
+    )
+
+
 def step_table(step: StepPlan, policy: str = "memory_budget", fraction: float | None = None) -> str:
     """The table of a step planned jointly. See Note [Budget reports]."""
     if fraction is not None:
@@ -99,6 +114,8 @@ def step_table(step: StepPlan, policy: str = "memory_budget", fraction: float | 
         covers = "the step's measured peak"
     if step.correction_bytes:
         covers += f"; planned {_mib(step.correction_bytes)} lower for memory measured outside"
+    if step.before_backward_bytes:
+        covers += ";" + _boundary(step.correction_bytes, step.before_backward_bytes)
     fits = _fits(step.feasible, fraction, step.budget_bytes, step.measured_peak_bytes)
     lines = [
         f"{policy}: {step.regions} regions per step, planned jointly (distinct graphs: "

@@ -141,7 +141,8 @@ graphs; ``from_region.from_region`` builds one from a recorded region.
 # region (the loss when computed outside it) is not counted, nor are values the program
 # still references after the region released them (a kept region output held by the
 # caller). The loss outside runs its backward before the region's first step, on top of
-# every kept value: on the anchor GPT-2 (bench_anchor, head sizes 32 and 64) the region's
+# every kept value (``SimGraph.before_backward_bytes`` adds it there once a measured step
+# found it: Note [Phases of a measured step]): on the anchor GPT-2 (bench_anchor, head sizes 32 and 64) the region's
 # backward measured within 0.03% of the simulated peak, and the step peaked at the loss's
 # backward, 24 MiB above the kept values: the cross-entropy's saved log-softmax and its
 # backward's two buffers of the logits' size
@@ -337,6 +338,9 @@ class _Simulation:
         peak, peak_total = acc.peak, acc.peak_total
         if not g.saved:
             peak, peak_total = self.kept_bytes, self.kept_bytes + acc.rng_level
+        # the loss's backward outside the region, on top of every kept value: See Note
+        # [Phases of a measured step].
+        peak_total = max(peak_total, self.kept_bytes + g.before_backward_bytes)
         return SimResult(
             peak,
             peak_total,

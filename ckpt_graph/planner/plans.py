@@ -46,6 +46,7 @@ def make_plan(graph: RegionGraph, option: Option, ordinal: int, budget: int) -> 
         feasible=option.feasible,
         candidates=len(graph.candidates),
         method=option.method,
+        predicted_kept_bytes=option.result.kept_bytes,
     )
     kept_pos = frozenset(graph.positions[j] for j in option.kept_ops if j in graph.positions)
     kept_pos |= {graph.views[j] for j in views if graph.views[j] >= 0}

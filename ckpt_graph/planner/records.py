@@ -75,6 +75,8 @@ class PlanReport:
         candidates: ops the planner could decide.
         reuses: regions that ran with this plan after it was made.
         method: the starting plan the solver's local search improved (see :class:`Solution`).
+        predicted_kept_bytes: simulated kept values when backward starts (Note [Phases of
+            a measured step]).
     """
 
     ordinal: int
@@ -89,6 +91,7 @@ class PlanReport:
     candidates: int
     reuses: int = 0
     method: str = ""
+    predicted_kept_bytes: int = 0
 
     def __str__(self) -> str:
         mib = 2.0**20
@@ -211,6 +214,11 @@ class StepPlan:
         rows: each region's plan, by ordinal (``step_report()``).
         policy, fraction: the policy and its budget's fraction (None for bytes).
         checked: what the measured check did, or why no step was measured.
+        predicted_boundary_bytes: the regions' kept values and activation inputs when
+            their backward starts, less the memory outside the regions (Note [Phases of a
+            measured step]).
+        before_backward_bytes: planned for on top of them then, beyond ``correction_bytes``
+            (the loss's backward outside the regions, as a measured step found it).
     """
 
     regions: int
@@ -229,6 +237,8 @@ class StepPlan:
     policy: str = "memory_budget"
     fraction: float | None = None
     checked: str = ""
+    predicted_boundary_bytes: int = 0
+    before_backward_bytes: int = 0
 
     def __str__(self) -> str:
         from ckpt_graph.planner.budget_report import step_table  # its table, Note [Budget reports]

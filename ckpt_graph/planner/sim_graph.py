@@ -7,12 +7,12 @@ objects, and the result of one simulated pass (see Note [Backward liveness model
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ckpt_graph.engine.pass_graph import PassGraph
 
-__all__ = ["SimGraph", "SimOp", "SimResult", "SimValue"]
+__all__ = ["SimGraph", "SimOp", "SimResult", "SimValue", "with_before_backward"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,9 @@ class SimGraph:
             backward (rule 10), on top of ``step_grad_bytes``.
         param_grad_made: bytes of them a step makes (a copy of a shared or transposed
             gradient), not yet there while it unpacks.
+        before_backward_bytes: memory outside the region on top of its kept values when its
+            backward starts (the loss's backward outside it), as a measured step found it
+            (Note [Phases of a measured step]); 0 when not known.
 
     Example:
         >>> from ckpt_graph.planner.liveness import simulate
@@ -118,6 +121,7 @@ class SimGraph:
     param_grad_bytes: int = 0
     param_grad_steps: Mapping[int, int] = field(default_factory=dict)
     param_grad_made: Mapping[int, int] = field(default_factory=dict)
+    before_backward_bytes: int = 0
 
     @cached_property
     def pass_graph(self) -> PassGraph:
@@ -144,6 +148,18 @@ class SimGraph:
         """Activation bytes kept without checkpointing: distinct op-made saved storages."""
         roots = {self.values[v].storage for _, v in self.saved}
         return sum(self.values[s].nbytes for s in roots if self.values[s].producer >= 0)
+
+
+def with_before_backward(g: SimGraph, nbytes: int) -> SimGraph:
+    """``g`` with ``before_backward_bytes=nbytes`` (``g`` itself when it has them), sharing
+    its pass graph. See Note [Phases of a measured step]."""
+    if g.before_backward_bytes == nbytes:
+        return g
+    new = replace(g, before_backward_bytes=nbytes)
+    built = g.__dict__.get("pass_graph")
+    if built is not None:  # a cached_property: set as ``functools`` sets it
+        new.__dict__["pass_graph"] = built
+    return new
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,10 @@
 #    Llama (the final norm, LM head and loss, run after the last layer's forward on top of
 #    everything the regions hold), keeping everything and at HF's checkpointing peak alike.
 #    A budget of a target peak less that difference measures within the target.
+# 6. The boundary. When the regions' backward starts, everything they keep and their
+#    activation inputs are alive (the DP's last prefix), and a loss computed outside them
+#    runs its backward on top: a measured step gives its bytes (Note [Phases of a measured
+#    step]), and the last prefix plus them must fit the budget too.
 # Known limitations: memory outside the step's regions is not modelled (rule 5): the
 # policy sees only its regions' ops, and CPU has no allocator statistics to learn it from.
 # Measure one step and subtract its peak less ``StepPlan.predicted_peak_bytes`` from the
@@ -68,8 +72,10 @@ __all__ = ["choose", "grads_after", "plain_peak", "plan_jointly", "step_budget_b
 _GRAIN = 1024
 
 
-def plan_jointly(seen: list[Seen], budget: int) -> tuple[list[Plan], StepPlan]:
-    """The plan of each region of ``seen`` and the step's figures, within ``budget`` bytes.
+def plan_jointly(seen: list[Seen], budget: int, before: int = 0) -> tuple[list[Plan], StepPlan]:
+    """The plan of each region of ``seen`` and the step's figures, within ``budget`` bytes,
+    with ``before`` bytes outside the regions on top of their kept values when their
+    backward starts (rule 6 of Note [Step budget across regions]).
 
     The DP of rule 3 of Note [Step budget across regions]; if nothing fits, the budget is
     raised by 5% steps until a choice does (``StepPlan.feasible`` is then False).
@@ -79,24 +85,26 @@ def plan_jointly(seen: list[Seen], budget: int) -> tuple[list[Plan], StepPlan]:
     plain = plain_peak(seen)
     menus = [warm_menu(s.graph) if s.graph.warm else menu(s.graph) for s in seen]
     limit = budget + outside
-    choice = choose(seen, menus, limit)
+    choice = choose(seen, menus, limit, before)
     if choice is None and any(s.graph.warm for s in seen):
         for s in seen:  # See Note [Warm start at a new size].
             if s.graph.warm is not None:
                 s.graph.warm = s.graph.menu = None
         menus = [menu(s.graph) for s in seen]
-        choice = choose(seen, menus, limit)
+        choice = choose(seen, menus, limit, before)
     if choice is None:  # nothing fits: raise the budget until a plan does (rule 3)
         # the lowest-peak entry of each region fits its own step peak: the loop ends there
         low = [
             min(options, key=lambda o: (o.result.peak_total_bytes, o.forward)) for options in menus
         ]
-        reach = step_peaks(seen, low)[0]
+        reach = step_peaks(seen, low, before)[0]
         while choice is None:
             limit = min(max(int(limit * 1.05) + 1, _GRAIN), reach)
-            choice = choose(seen, menus, limit)
+            choice = choose(seen, menus, limit, before)
+            if choice is None and limit >= reach:  # the DP's rounding at the boundary
+                choice = choose(seen, menus, limit)
     chosen = [options[m] for options, m in zip(menus, choice, strict=True)]
-    peak, activations = step_peaks(seen, chosen)
+    peak, activations = step_peaks(seen, chosen, before)
     cost = sum(o.result.recompute_cost for o in chosen)
     shared: dict[tuple[int, int], Plan] = {}
     plans = []
@@ -120,15 +128,18 @@ def plan_jointly(seen: list[Seen], budget: int) -> tuple[list[Plan], StepPlan]:
         graphs=len({id(s.graph) for s in seen}),
         predicted_activation_peak_bytes=activations - outside,
         plain_peak_bytes=plain,
+        predicted_boundary_bytes=prefix - outside,
+        before_backward_bytes=before,
     )
     return plans, step
 
 
-def step_peaks(seen: list[Seen], options: list[Option]) -> tuple[int, int]:
+def step_peaks(seen: list[Seen], options: list[Option], before: int = 0) -> tuple[int, int]:
     """The step's simulated peak with ``options[k]`` for region k, and its activation peak.
 
     The largest terms of rule 1 of Note [Step budget across regions], with each region's
-    ``peak_total_bytes`` and with its ``peak_bytes``.
+    ``peak_total_bytes`` and with its ``peak_bytes``; the first with the boundary term of
+    rule 6 (``before`` bytes on top of every kept value and activation input).
     """
     prefix = peak = activations = 0
     for s, o, after in zip(seen, options, grads_after(seen), strict=True):
@@ -136,7 +147,7 @@ def step_peaks(seen: list[Seen], options: list[Option]) -> tuple[int, int]:
         peak = max(peak, prefix + s.inputs + max(r.peak_total_bytes + after, o.forward))
         activations = max(activations, prefix + s.inputs + max(r.peak_bytes, o.forward))
         prefix += s.inputs + r.kept_bytes
-    return peak, activations
+    return max(peak, prefix + before), activations
 
 
 def grads_after(seen: list[Seen]) -> list[int]:
@@ -162,16 +173,19 @@ def step_budget_bytes(seen: list[Seen], budget: int | float) -> int:
     return int(budget * plain_peak(seen)) if isinstance(budget, float) else int(budget)
 
 
-def choose(seen: list[Seen], menus: list[list[Option]], limit: int) -> list[int] | None:
+def choose(
+    seen: list[Seen], menus: list[list[Option]], limit: int, before: int = 0
+) -> list[int] | None:
     """Menu entry per region, least summed recompute cost within ``limit``, or None.
 
     A DP over the regions in forward order on the prefix sum of rule 1 of Note [Step budget
-    across regions], rounded up to ``limit / _GRAIN``.
+    across regions], rounded up to ``limit / _GRAIN``; the final prefix plus ``before``
+    (rule 6) within ``limit`` too.
     """
     grain = max(1, limit // _GRAIN)
     # state: rounded prefix -> (prefix, cost, choices so far)
     states: dict[int, tuple[int, int, tuple[int, ...]]] = {0: (0, 0, ())}
-    for s, entries, grads in zip(seen, menus, grads_after(seen), strict=True):
+    for k, (s, entries, grads) in enumerate(zip(seen, menus, grads_after(seen), strict=True)):
         nxt: dict[int, tuple[int, int, tuple[int, ...]]] = {}
         for prefix, cost, picks in states.values():
             for m, entry in enumerate(entries):
@@ -184,6 +198,8 @@ def choose(seen: list[Seen], menus: list[list[Option]], limit: int) -> list[int]
                 old = nxt.get(key)
                 if old is None or (total, after) < (old[1], old[0]):
                     nxt[key] = (after, total, (*picks, m))
+        if k == len(seen) - 1:  # the boundary (rule 6)
+            nxt = {key: t for key, t in nxt.items() if t[0] + before <= limit}
         if not nxt:
             return None
         states = {}
