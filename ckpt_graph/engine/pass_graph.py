@@ -104,25 +104,42 @@ def count_uses(
     """
     inputs, outputs = g.inputs, g.outputs
     runs = [False] * len(outputs)
-    for j in range(len(outputs) - 1, -1, -1):
-        if taken is None:
-            for o in outputs[j]:
-                if uses[o] > 0 and not kept[o]:
-                    break
-            else:
-                continue
-        else:
+    # One loop per case, so that no test is repeated per op node (this sweep runs at each
+    # region exit and pass start, once per op node).
+    if taken is not None:
+        for j in range(len(outputs) - 1, -1, -1):
             needed = False
             for o in outputs[j]:  # no break: ``taken`` sees every pending output
                 if not kept[o] and uses[o] > 0 and not taken(o):
                     needed = True
             if not needed:
                 continue
-        runs[j] = True
-        if all_inputs:
+            runs[j] = True
+            if all_inputs:
+                for i in inputs[j]:
+                    uses[i] += 1
+            else:
+                for i in inputs[j]:
+                    if not kept[i]:
+                        uses[i] += 1
+    elif all_inputs:
+        for j in range(len(outputs) - 1, -1, -1):
+            for o in outputs[j]:
+                if uses[o] > 0 and not kept[o]:
+                    break
+            else:
+                continue
+            runs[j] = True
             for i in inputs[j]:
                 uses[i] += 1
-        else:
+    else:
+        for j in range(len(outputs) - 1, -1, -1):
+            for o in outputs[j]:
+                if uses[o] > 0 and not kept[o]:
+                    break
+            else:
+                continue
+            runs[j] = True
             for i in inputs[j]:
                 if not kept[i]:
                     uses[i] += 1
@@ -271,7 +288,7 @@ def free_use(
     may_run: MutableSequence[bool],
     v: int,
     free_kept: Callable[[int], None],
-    dead: Callable[[int], None],
+    dead: Callable[[int], None] | None,
 ) -> None:
     """A saved tensor of ``v`` was freed: take one live use, and follow what that frees.
     See Note [Releasing kept values].
@@ -284,7 +301,9 @@ def free_use(
         v: the value of the freed saved tensor.
         free_kept: frees a kept value with no live use left.
         dead: called with an op node that may have become dead (``is_dead``): it ran out
-            of uses or one of its kept outputs was freed.
+            of uses or one of its kept outputs was freed; ``None`` when nothing is to be
+            done for a dead op node (the engine's region has no op node with a generator
+            state), which saves a call per op node freed.
     """
     inputs, outputs, producer = g.inputs, g.outputs, g.producer
     stack = [v]
@@ -296,7 +315,7 @@ def free_use(
         p = producer[v]
         if kept[v]:
             free_kept(v)
-            if p >= 0:
+            if p >= 0 and dead is not None:
                 dead(p)
             continue
         if p < 0 or not may_run[p]:
@@ -306,7 +325,8 @@ def free_use(
                 break
         else:
             may_run[p] = False
-            dead(p)
+            if dead is not None:
+                dead(p)
             stack.extend(inputs[p])
 
 

@@ -300,7 +300,7 @@ def begin_pass(region: Region, task: int, executor: Executor) -> None:
     _recompute_changed_kept(region)
     g, handles = pass_graph(region)
     kept = [h.reason is not None for h in handles]
-    uses = [0 if k else h.saved_refs for h, k in zip(handles, kept, strict=True)]
+    uses = [0 if h.reason is not None else h.saved_refs for h in handles]  # as ``kept``
     cached = [False] * len(handles)
     live = [False] * len(handles)
 
@@ -547,14 +547,17 @@ def free_use(region: Region, h: Handle) -> None:
         live_uses[v] -= 1
         return
     g, handles = pass_graph(region)
-    nodes = region.nodes
 
     def free_kept(v: int) -> None:
         handles[v].value = None
 
-    def dead(j: int) -> None:
-        node = nodes[j]
-        if node.rng is not None and is_dead(g, state.live_uses, state.may_run, j):
-            node.rng = None
+    dead = None
+    if region.recording.random_nodes:  # only op nodes with a generator state free anything
+        nodes = region.nodes
+
+        def dead(j: int) -> None:
+            node = nodes[j]
+            if node.rng is not None and is_dead(g, state.live_uses, state.may_run, j):
+                node.rng = None
 
     _free_use(g, state.kept, live_uses, state.may_run, v, free_kept, dead)
