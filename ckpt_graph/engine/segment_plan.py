@@ -60,18 +60,20 @@ bound the same pass the same way.
 #    still at most two runs per op).
 # 5. A bound on the fewest-checkpoint search. It grows a segment from every start it
 #    reaches, so it visits about ``n x L`` ops, ``L`` the ops a segment spans within the
-#    peak: fine where a segment spans tens of ops (every zoo model), quadratic where a
-#    region is thousands of tiny ops (transformers' Mamba without its CUDA kernels: its
-#    selective scan runs ~500 small ops per layer, a segment spans hundreds of them, and a
-#    search of its 1,464-op region visited ~370,000 ops). The planner simulates a pass per
-#    plan it evaluates (Note [One pass core]), so the search ran ~700 times per budget
-#    point and planning took 27-159 s where other models take 2-4 s. The search therefore
+#    peak: fine where a segment spans tens of ops (the zoo models measured), quadratic
+#    where a region is thousands of tiny ops (transformers' Mamba without its CUDA
+#    kernels: its selective scan runs hundreds of small ops per layer, a segment spans
+#    hundreds of them, and a search over its 1,464-op region made ~370,000 op visits).
+#    The planner simulates a pass per plan it evaluates (Note [One pass core]), so the
+#    search ran ~700 times per budget point and planning took 27-159 s where other models
+#    take 2-4 s. The search therefore
 #    stops after ``_LEAST_KEPT_WORK`` op visits per op of the region and the greedy cuts of
 #    rule 1 are taken: the same peak, a few per cent more checkpoint bytes (rule 1's
 #    ConvNeXt and GPT-2 figures), and a cost linear in the ops. The bound is a count of
-#    visits, not of time, so the cuts do not depend on the machine's load; the zoo's
-#    regions stay well under it (``benchmarks/bench_zoo.py``: hf-gpt2, hf-convnext and
-#    torch-loop plan the same cuts as without it).
+#    visits, not of time, so the cuts do not depend on the machine's load. The zoo's
+#    regions stay under it (their searches make 24-36 visits per op, greedy scans
+#    included): hf-gpt2, hf-convnext and torch-loop get the same ``memory_budget`` plans as
+#    without it, and so does Mamba (BENCHMARKS.md, "Planning time on Mamba").
 """
 
 from __future__ import annotations

@@ -38,7 +38,9 @@ def _visits(monkeypatch: pytest.MonkeyPatch, n: int, storages: list[Storage]) ->
     count = [0]
     grow = SegmentProfile._grow
 
-    def counted(self: SegmentProfile, start: int, stop: int, room: int) -> Iterator:  # type: ignore[type-arg]
+    def counted(
+        self: SegmentProfile, start: int, stop: int, room: int
+    ) -> Iterator[tuple[int, int, int]]:
         for step in grow(self, start, stop, room):
             count[0] += 1
             yield step
