@@ -58,6 +58,22 @@ bound the same pass the same way.
 #    saved bytes after the cut are least: the rest of the last segment is dropped and
 #    cached again when backward reaches it, with the checkpoints of rule 1 (no new peak,
 #    still at most two runs per op).
+# 5. A bound on the fewest-checkpoint search. It grows a segment from every start it
+#    reaches, so it visits about ``n x L`` ops, ``L`` the ops a segment spans within the
+#    peak: fine where a segment spans tens of ops (the zoo models measured), quadratic
+#    where a region is thousands of tiny ops (transformers' Mamba without its CUDA
+#    kernels: its selective scan runs hundreds of small ops per layer, a segment spans
+#    hundreds of them, and a search over its 1,464-op region made ~370,000 op visits).
+#    The planner simulates a pass per plan it evaluates (Note [One pass core]), so the
+#    search ran ~700 times per budget point and planning took 27-159 s where other models
+#    take 2-4 s. The search therefore
+#    stops after ``_LEAST_KEPT_WORK`` op visits per op of the region and the greedy cuts of
+#    rule 1 are taken: the same peak, a few per cent more checkpoint bytes (rule 1's
+#    ConvNeXt and GPT-2 figures), and a cost linear in the ops. The bound is a count of
+#    visits, not of time, so the cuts do not depend on the machine's load. The zoo's
+#    regions stay under it (their searches make 24-36 visits per op, greedy scans
+#    included): hf-gpt2, hf-convnext and torch-loop get the same ``memory_budget`` plans as
+#    without it, and so does Mamba (BENCHMARKS.md, "Planning time on Mamba").
 """
 
 from __future__ import annotations
@@ -68,6 +84,9 @@ from dataclasses import dataclass
 __all__ = ["SegmentPlan", "SegmentProfile"]
 
 _GRID = 16  # peaks tried between the least and no cut, when the first realize holds more
+# Op visits per op of the region the fewest-checkpoint search may spend (Note [Planned
+# segment cuts] rule 5).
+_LEAST_KEPT_WORK = 64
 # Plans by profile: a pure function of it, the same at every step of a training loop, and
 # the least-kept search costs a few milliseconds per hundred op nodes (integers only).
 _PLANS: dict[tuple[object, ...], SegmentPlan] = {}
@@ -190,6 +209,7 @@ class SegmentProfile:
         cuts, or ``None`` if no cuts can."""
         greedy = self._cuts_within(peak)
         n, suffix = self.n, self.suffix
+        work = _LEAST_KEPT_WORK * max(n, 1)  # See Note [Planned segment cuts] rule 5.
         # checkpoint bytes only grow along the cuts: paths above the greedy's are dropped
         upper = greedy[1] if greedy is not None else peak  # each segment fits: kept <= peak
         best = [-1] * (n + 1)  # per segment start: least checkpoint bytes of the cuts before
@@ -206,6 +226,9 @@ class SegmentProfile:
                 end, upper = s, kept
                 continue
             for p, seg, frontier in self._grow(s, n - 1, room):
+                work -= 1
+                if work < 0:
+                    return greedy
                 k = kept + frontier
                 if seg > 0 and k <= upper and (best[p + 1] < 0 or k <= best[p + 1]):
                     best[p + 1] = k
