@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ckpt_graph.engine import cache_bound, passes
-from ckpt_graph.engine.graph import INPLACE_ON_KEPT
+from ckpt_graph.engine.graph import INPLACE_ON_KEPT, KeptReason
 from ckpt_graph.engine.op_info import UNANNOTATED_ALIASES
 from ckpt_graph.planner.param_grads import param_grads
 from ckpt_graph.planner.permuted_gradients import permuted_gradient_copies
@@ -89,6 +89,18 @@ __all__ = [
 # storage is not the plan's to decide; otherwise a first step whose heuristic kept a
 # dropout's ``empty_like`` would fix its mask for every later plan.
 
+
+SAVED_AFTER_INPUTS_FREED = KeptReason.SAVED_AFTER_INPUTS_FREED
+
+# Note [Values kept by a step's own frees]
+# The engine keeps a value the policy answered to recompute when it is saved after the kept
+# values its recomputation reads were freed (``SAVED_AFTER_INPUTS_FREED``): a consequence of
+# that step's decisions, not of the program. The first step, decided by the heuristic, can
+# do so where a plan does not; fixed in the graph, such a value was planned as kept
+# whatever the plan says while the planned steps recompute it. Qwen2-MoE at torch per-block
+# checkpointing's peak: a residual ``add`` (256 KiB) kept so at the heuristic's step put the
+# plan's prediction 1.5 MiB under the measured step (14,060,536 vs 15,653,512 B; without it
+# fixed, 15,653,504). Such an op is the plan's to decide (``free_ops``), its value not fixed.
 
 _NO_GRAD_OPS = frozenset(
     f"aten.{name}"
@@ -456,6 +468,8 @@ def unmeasured_graph(
             decided = node.index not in free or (out.reason is not None and out.reason.by_engine)
             if out.reason == INPLACE_ON_KEPT and root != v and values[root].producer in free:
                 decided = False  # See Note [In-place writes to kept values]
+            if out.reason == SAVED_AFTER_INPUTS_FREED and node.index in free:
+                decided = False  # See Note [Values kept by a step's own frees]
             if out.kept and decided:
                 fixed.add(v)
         if alias or all(o is None or o.is_view for o in node.outputs):
