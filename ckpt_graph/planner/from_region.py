@@ -494,8 +494,8 @@ def unmeasured_graph(
         ops.append(SimOp(ins, tuple(outs), cost, info.name, 0, 0, pointwise, rng))
         used.update(id(i) for i in node.inputs)
     reached, owners = _reached(values, ops, needs, held)
-    saves = ((n, vid.get(id(h))) for n, h in region.saved)
-    logged = tuple(_live_saves(saves, ops, needs, reached))
+    logs = ((n, vid.get(id(h))) for n, h in region.saved)
+    logged = tuple(_live_saves(logs, ops, needs, reached))
     floating = [f and owners[v] for v, f in enumerate(floating)]
     read = {values[i].storage for op in ops for i in op.inputs}
     for _, sv in logged:  # saved but never read (batch norm's save_mean): no gradient
