@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ckpt_graph.engine import cache_bound, passes
-from ckpt_graph.engine.graph import INPLACE_ON_KEPT
+from ckpt_graph.engine.graph import INPLACE_ON_KEPT, KeptReason
 from ckpt_graph.engine.op_info import UNANNOTATED_ALIASES
 from ckpt_graph.planner.param_grads import param_grads
 from ckpt_graph.planner.permuted_gradients import permuted_gradient_copies
@@ -65,6 +65,22 @@ __all__ = [
 # one into a fresh buffer). Not modelled: ops run under ``no_grad`` inside the region
 # whose outputs the program no longer holds (counted as needing a gradient).
 
+# Note [Values backward never reaches]
+# Autograd runs a node's formula only when the loss's graph reaches it, and
+# ``AccumulateGrad`` only for a parameter it reaches: a value that requires a gradient but
+# leads to the loss through no differentiable output gets no gradient buffer, and a
+# parameter read only through it gets no ``.grad``. An MoE router read only through
+# ``argmax``, the indices of ``topk`` or a comparison is one (their outputs are integer or
+# boolean; ``topk``'s values output, dropped, is another dead end). Counting them put the
+# router's gradient in the step's parameters' gradients and a gradient of the dropped
+# values in backward from its start, as if a region output. The loss is not known when the
+# graph is built (at the region's exit), so a value the program still holds there counts as
+# a region output that may get a gradient; from those, backwards in forward order, an op
+# with a reached output reaches its inputs that require a gradient, and a storage is reached
+# when one of its versions or views is. A dead end's nodes die in forward with the last
+# tensor referring to them, and their saved tensors with them: those saves are left out of
+# the graph (``topk``'s indices, kept under ``must_save_all``, measured freed).
+
 # Note [In-place writes to kept values]
 # When an op writes in place to a kept value nothing else used (dropout on CPU:
 # ``empty_like``, then ``bernoulli_`` and ``div_`` on it), the engine keeps the new version
@@ -73,6 +89,18 @@ __all__ = [
 # storage is not the plan's to decide; otherwise a first step whose heuristic kept a
 # dropout's ``empty_like`` would fix its mask for every later plan.
 
+
+SAVED_AFTER_INPUTS_FREED = KeptReason.SAVED_AFTER_INPUTS_FREED
+
+# Note [Values kept by a step's own frees]
+# The engine keeps a value the policy answered to recompute when it is saved after the kept
+# values its recomputation reads were freed (``SAVED_AFTER_INPUTS_FREED``): a consequence of
+# that step's decisions, not of the program. The first step, decided by the heuristic, can
+# do so where a plan does not; fixed in the graph, such a value was planned as kept
+# whatever the plan says while the planned steps recompute it. Qwen2-MoE at torch per-block
+# checkpointing's peak: a residual ``add`` (256 KiB) kept so at the heuristic's step put the
+# plan's prediction 1.5 MiB under the measured step (14,060,536 vs 15,653,512 B; without it
+# fixed, 15,653,504). Such an op is the plan's to decide (``free_ops``), its value not fixed.
 
 _NO_GRAD_OPS = frozenset(
     f"aten.{name}"
@@ -388,6 +416,8 @@ def unmeasured_graph(
     values: list[SimValue] = []
     fixed: set[int] = set()
     floating: list[bool] = []
+    needs: list[bool] = []  # requires a gradient in forward, views included
+    held: list[bool] = []  # an op output the program still holds (a region output)
     fresh: list[int] = []  # See Note [Parameters' gradients in backward].
     after: dict[int, int] = {}
     for inp in region.inputs:
@@ -398,6 +428,8 @@ def unmeasured_graph(
         copied = inp.copied and inp.value is not None
         values.append(SimValue(inp.nbytes, -1, len(values), copied=copied))
         floating.append(_requires_grad(inp, inp.dtype.is_floating_point))
+        needs.append(floating[-1])
+        held.append(False)
     ops: list[SimOp] = []
     used: set[int] = set()  # values consumed so far (ops and saves), for rule 6
     states: dict[int, int] = {}  # id of a generator state -> its index (rule 9)
@@ -428,12 +460,16 @@ def unmeasured_graph(
             grad = out.dtype.is_floating_point and _differentiable(node.op, out.output_index)
             grad = _requires_grad(out, grad and any(floating[values[i].storage] for i in ins))
             floating.append(grad and root == v)
+            needs.append(grad)
+            held.append(out.ref is not None and out.ref() is not None)
             if grad and root != v and not out.is_view and values[root].producer >= 0:
                 floating[root] = True  # See Note [Values without gradients]
             outs.append(v)
             decided = node.index not in free or (out.reason is not None and out.reason.by_engine)
             if out.reason == INPLACE_ON_KEPT and root != v and values[root].producer in free:
                 decided = False  # See Note [In-place writes to kept values]
+            if out.reason == SAVED_AFTER_INPUTS_FREED and node.index in free:
+                decided = False  # See Note [Values kept by a step's own frees]
             if out.kept and decided:
                 fixed.add(v)
         if alias or all(o is None or o.is_view for o in node.outputs):
@@ -457,7 +493,10 @@ def unmeasured_graph(
                 rng_bytes.append(state.untyped_storage().nbytes())
         ops.append(SimOp(ins, tuple(outs), cost, info.name, 0, 0, pointwise, rng))
         used.update(id(i) for i in node.inputs)
-    logged = tuple((n, vid.get(id(h))) for n, h in region.saved)
+    reached, owners = _reached(values, ops, needs, held)
+    logs = ((n, vid.get(id(h))) for n, h in region.saved)
+    logged = tuple(_live_saves(logs, ops, needs, reached))
+    floating = [f and owners[v] for v, f in enumerate(floating)]
     read = {values[i].storage for op in ops for i in op.inputs}
     for _, sv in logged:  # saved but never read (batch norm's save_mean): no gradient
         if sv is not None and sv not in read and values[sv].storage == sv:
@@ -512,6 +551,50 @@ def with_workspaces(base: UnmeasuredGraph, workspaces: Mapping[int, Workspace] |
         param_grad_steps=alive_p,
         param_grad_made=made_p,
     )
+
+
+def _reached(
+    values: Sequence[SimValue], ops: Sequence[SimOp], needs: Sequence[bool], held: Sequence[bool]
+) -> tuple[list[bool], list[bool]]:
+    """Per value and per storage owner, whether backward reaches it: a value requiring a
+    gradient that the program holds (a region output) or an op reads whose output backward
+    reaches; a storage when one of its versions or views is. See Note [Values backward
+    never reaches]."""
+    reached = [n and h for n, h in zip(needs, held, strict=True)]
+    for op in reversed(ops):
+        if any(reached[o] for o in op.outputs):
+            for i in op.inputs:
+                reached[i] = reached[i] or needs[i]
+    owners = [False] * len(values)
+    for v, r in enumerate(reached):
+        if r:
+            owners[values[v].storage] = True
+    return reached, owners
+
+
+def _live_saves(
+    logged: Iterable[tuple[int, int | None]],
+    ops: Sequence[SimOp],
+    needs: Sequence[bool],
+    reached: Sequence[bool],
+) -> Iterable[tuple[int, int | None]]:
+    """``logged`` without the saves of ops whose outputs require a gradient that backward
+    never reaches: autograd drops their nodes, and the saved tensors, in forward. A save
+    logged after ``n`` ops belongs to op ``n - 1`` or ``n`` (``_steps_of_saves``). See Note
+    [Values backward never reaches]."""
+    dead = [
+        any(needs[o] for o in op.outputs) and not any(reached[o] for o in op.outputs) for op in ops
+    ]
+    for n, sv in logged:
+        owners = [
+            k
+            for k in (n - 1, n)
+            if 0 <= k < len(ops)
+            and sv is not None
+            and (sv in ops[k].inputs or sv in ops[k].outputs)
+        ]
+        if not (owners and all(dead[k] for k in owners)):
+            yield n, sv
 
 
 def _fresh_grad(h: Handle, after: dict[int, int]) -> bool:

@@ -47,7 +47,11 @@ from typing import TYPE_CHECKING
 
 from ckpt_graph.engine.holding import without_history
 from ckpt_graph.planner.blocks import find_blocks
-from ckpt_graph.planner.from_region import unmeasured_graph, with_workspaces
+from ckpt_graph.planner.from_region import (
+    SAVED_AFTER_INPUTS_FREED,
+    unmeasured_graph,
+    with_workspaces,
+)
 from ckpt_graph.planner.hand_seeds import hand_seeds
 from ckpt_graph.planner.liveness import simulate
 from ckpt_graph.planner.param_grads import without_param_grads
@@ -118,7 +122,10 @@ def region_graph(
         if answer is None or any(o in region.tagged for o in node.outputs):
             continue
         is_kept = any(o is not None and o.kept for o in node.outputs)
-        if is_kept == answer:
+        # kept against the answer only because this step freed its inputs first: the
+        # plan's to decide (See Note [Values kept by a step's own frees])
+        late = all(o is None or o.reason in (None, SAVED_AFTER_INPUTS_FREED) for o in node.outputs)
+        if is_kept == answer or (is_kept and not answer and late):
             free.append(j)
     base = unmeasured_graph(region, costs, free)
     signatures = OpSignatures(region) if workspaces else None
