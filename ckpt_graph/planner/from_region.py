@@ -79,7 +79,9 @@ __all__ = [
 # with a reached output reaches its inputs that require a gradient, and a storage is reached
 # when one of its versions or views is. A dead end's nodes die in forward with the last
 # tensor referring to them, and their saved tensors with them: those saves are left out of
-# the graph (``topk``'s indices, kept under ``must_save_all``, measured freed).
+# the graph (``topk``'s indices, kept under ``must_save_all``, measured freed). A graph built
+# once a backward pass has begun (analysis, the simulator's tests) cannot tell what the
+# program held at the exit: every value requiring a gradient counts as reached there.
 
 # Note [In-place writes to kept values]
 # When an op writes in place to a kept value nothing else used (dropout on CPU:
@@ -418,6 +420,7 @@ def unmeasured_graph(
     floating: list[bool] = []
     needs: list[bool] = []  # requires a gradient in forward, views included
     held: list[bool] = []  # an op output the program still holds (a region output)
+    after_pass = region.pass_state.number > 0  # See Note [Values backward never reaches].
     fresh: list[int] = []  # See Note [Parameters' gradients in backward].
     after: dict[int, int] = {}
     for inp in region.inputs:
@@ -461,7 +464,7 @@ def unmeasured_graph(
             grad = _requires_grad(out, grad and any(floating[values[i].storage] for i in ins))
             floating.append(grad and root == v)
             needs.append(grad)
-            held.append(out.ref is not None and out.ref() is not None)
+            held.append(after_pass or (out.ref is not None and out.ref() is not None))
             if grad and root != v and not out.is_view and values[root].producer >= 0:
                 floating[root] = True  # See Note [Values without gradients]
             outs.append(v)
