@@ -54,8 +54,12 @@
 #    measured 0.49x / 0.58x of it and the re-plans 0.40x / 0.49x. The same terms are
 #    assumed for the step without checkpointing: its own simulator error and a loss
 #    whose buffers depend on the plan are not measured (no step runs without the plan).
-#    A fraction's graphs leave the parameters' gradients out (Note [Parameters' gradients
-#    in backward] rule 5): measured, they are in D, a constant over the step.
+#    A measured fraction's graphs count the parameters' gradients and the ops' workspaces,
+#    as a byte budget's (Note [Parameters' gradients in backward] rule 5): left out, the
+#    gradients came into D as a constant over the step, and on the test suite's tiny GPT
+#    (three wrapped blocks, the gradients a third of the step) the re-plan at 0.5
+#    measured 1.125 MiB, 0.119 over; modelled, the planner says at once that no plan
+#    reaches 0.5 and its lowest-peak plan measures 0.966 MiB.
 # 5. When. ``"auto"`` measures a byte budget when it can: not while a profiler or a
 #    ``measure()`` runs at the step's start, nor on a device other than CPU and CUDA;
 #    ``report()`` then says why, and the next planned step tries again (``_TRIES``

@@ -225,7 +225,9 @@ class BudgetPlanner:
         """The block's graph as the planner sees it, with the ops the plan may decide; a
         byte budget's with its ops' measured workspaces (Note [Workspaces in budget
         planning])."""
-        byte_budget = not self._fraction  # See Note [Parameters' gradients in backward] rule 5.
+        # See Note [Parameters' gradients in backward] rule 5; a measured fraction is of the
+        # measured step (Note [Measured budget check] rule 4)
+        byte_budget = not self._fraction or self.check.mode is True
         return region_graph(region, run, self.op_costs(region, run), byte_budget, byte_budget)
 
     def op_costs(self, region: Region, run: Run) -> dict[int, int]:
