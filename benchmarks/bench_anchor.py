@@ -17,6 +17,10 @@ One training step under each configuration:
   linear layers) and recomputing everything else, the attention core included
   (``policies.save_ops``);
 - ``memory_budget(f)``: one region, planned at the first step, measured at the next;
+- ``memory_budget(f), check=True`` (``--check-fractions``): the same measured by the
+  policy too: the first planned step corrects the fraction's reference (no checkpointing's
+  step peak) with the loss's backward outside the region, and the step is planned again
+  once if it missed that budget (Note [Measured budget check] rule 4);
 - ``memory_budget @ megatron``: the same with megatron's measured step peak in bytes (the
   budget bounds the region's simulated peak: memory outside the region comes on top), and
   with ``check=True`` (the first planned step measured, planned again once with the
@@ -30,7 +34,7 @@ count 0) as a percentage of that step's FLOPs. The goal: at or below 0.30x of th
 at most +2.7% FLOPs, and at megatron's peak no more recompute than it.
 
 Run: ``python -m benchmarks.bench_anchor [--budgets 0.2 0.25 0.3] [--wide] [--no-sac]
-[--out results.md]``.
+[--check-fractions] [--out results.md]``.
 """
 
 from __future__ import annotations
@@ -114,13 +118,23 @@ def _planned(
     note = f"plan from {method}, first step and plan {time.perf_counter() - t0:.0f} s"
     if report is not None:
         note += f", simulated {report.predicted_total_peak_bytes / base_peak:.3f}"
+        reference = getattr(report, "reference_bytes", 0)
+        if reference:  # a fraction measured: See Note [Measured budget check] rule 4.
+            note += (
+                f", reference corrected to {reference / base_peak:.3f} of none's measured "
+                f"peak (simulated {report.plain_peak_bytes / base_peak:.3f})"  # type: ignore[attr-defined]
+                + f", {report.checked}"  # type: ignore[attr-defined]
+            )
     if caught:
         note += "; warned: " + str(caught[0].message)[:120]
     return forward, note
 
 
 def run(
-    sizes: dict[str, int], budgets: tuple[float, ...], sac: bool = True
+    sizes: dict[str, int],
+    budgets: tuple[float, ...],
+    sac: bool = True,
+    check_fractions: bool = False,
 ) -> list[tuple[str, float, float, str]]:
     """Rows ``(configuration, peak / none, recompute % of the step, note)`` at ``sizes``."""
     w = anchor_workload(**sizes)
@@ -135,6 +149,9 @@ def run(
     base = peaks["none"]
     for b in budgets:
         forwards[f"memory_budget({b})"], notes[f"memory_budget({b})"] = _planned(w, b, base)
+        if check_fractions:
+            key = f"memory_budget({b}), check=True"
+            forwards[key], notes[key] = _planned(w, b, base, check=True)
     mega = peaks["megatron (keep addmm/mm)"]
     key = "memory_budget @ megatron"
     forwards[key], notes[key] = _planned(w, mega, base)
@@ -167,6 +184,11 @@ def main() -> None:
     parser.add_argument("--wide", action="store_true", help="add the wide shape")
     parser.add_argument("--no-anchor", action="store_true", help="only the wide shape")
     parser.add_argument("--no-sac", action="store_true", help="leave out torch-sac")
+    parser.add_argument(
+        "--check-fractions",
+        action="store_true",
+        help="add memory_budget(f, check=True) beside each fraction",
+    )
     parser.add_argument("--out", help="write the markdown tables here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -178,7 +200,8 @@ def main() -> None:
     sections = []
     for name, sizes in shapes.items():
         sections.append(
-            f"#### {name}: {sizes}\n\n" + table(run(sizes, tuple(args.budgets), not args.no_sac))
+            f"#### {name}: {sizes}\n\n"
+            + table(run(sizes, tuple(args.budgets), not args.no_sac, args.check_fractions))
         )
         print(sections[-1] + "\n", flush=True)
     head = (

@@ -35,9 +35,31 @@
 #    budget: no warning), so a budget the correction puts out of reach warns once. A
 #    first plan that does not fit even the planner's model warns at once, as without
 #    the check (the measured verdict follows, with its figures).
-# 4. A fraction budget is relative to the step's own simulated peak without
-#    checkpointing: it is not corrected, and ``"auto"`` does not measure it (``True``
-#    does, for the report).
+# 4. Fractions. A fraction budget is of the step's peak without checkpointing (Note
+#    [Step budget across regions] rule 1). ``"auto"`` and ``False`` do not measure it: it
+#    is of the simulated peak, which leaves out the memory outside the regions (the
+#    default zoo's fraction rows are of that figure). ``True`` measures it: the first
+#    planned step learns the two terms of Note [Phases of a measured step] whether or not
+#    it missed (``BudgetCheck.learn``), and the reference becomes what no checkpointing
+#    would measure with them, ``max(P0 + D, Q0 + B)`` = ``D + max(P0, Q0 + (B - D))``,
+#    where P0 and Q0 are the simulated peak and boundary of keeping every candidate
+#    (``step_budget.reference_bytes``): the outside memory D throughout the step, the
+#    loss's backward B on top of every value no checkpointing keeps at the boundary. The
+#    budget is the fraction of that; the step that learnt them is compared with it, and
+#    planned again once with both terms (rule 2) if it missed, as a byte budget is. The
+#    reports give both references and the re-plan (Note [Budget reports]). Measured
+#    (tests/planner/test_budget_fraction_measured.py: MLP blocks, the cross-entropy's
+#    6 MiB outside the region): the corrected reference is no checkpointing's measured
+#    step peak to the byte (21.30 MiB; simulated 17.67); at 0.4 / 0.5 the first plans
+#    measured 0.49x / 0.58x of it and the re-plans 0.40x / 0.49x. The same terms are
+#    assumed for the step without checkpointing: its own simulator error and a loss
+#    whose buffers depend on the plan are not measured (no step runs without the plan).
+#    A measured fraction's graphs count the parameters' gradients and the ops' workspaces,
+#    as a byte budget's (Note [Parameters' gradients in backward] rule 5): left out, the
+#    gradients came into D as a constant over the step, and on the test suite's tiny GPT
+#    (three wrapped blocks, the gradients a third of the step) the re-plan at 0.5
+#    measured 1.125 MiB, 0.119 over; modelled, the planner says at once that no plan
+#    reaches 0.5 and its lowest-peak plan measures 0.966 MiB.
 # 5. When. ``"auto"`` measures a byte budget when it can: not while a profiler or a
 #    ``measure()`` runs at the step's start, nor on a device other than CPU and CUDA;
 #    ``report()`` then says why, and the next planned step tries again (``_TRIES``
@@ -99,11 +121,13 @@
 #    add that point when backward starts (``liveness.simulate``), so every solver sees it;
 #    several regions: the DP's last prefix plus the term (Note [Step budget across regions]
 #    rule 6). Q changes with the plan, B does not: the loss's buffers are the loss's.
+#    A fraction measured (``check=True``) learns both terms at its first measured step
+#    and its reference with them (Note [Measured budget check] rule 4).
 # 4. No backward mark (the probe was stopped before a region's backward ran, or no output
 #    of a region was alive at its exit): one constant for the step, as before.
-# 5. Without a measurement (``check=False``, a fraction) there is no term: the loss's ops
-#    are outside every region, so none is recorded, and CPU has no allocator statistic
-#    outside the profiler. The one figure known before backward, the gradients of the
+# 5. Without a measurement (``check=False``, a fraction with ``"auto"``) there is no
+#    term: the loss's ops are outside every region, so none is recorded, and CPU has no
+#    allocator statistic outside the profiler. The one figure known before backward, the gradients of the
 #    regions' outputs, is a lower bound, not an estimate (on
 #    tests/planner/test_budget_loss_outside.py's model 4 of the 12 MiB the cross-entropy's
 #    backward holds: its saved log-softmax, its input gradient and the logits' gradient):
@@ -204,14 +228,16 @@ class BudgetCheck:
     """State of the closed loop of one policy object. See Note [Measured budget check]."""
 
     def __init__(self, mode: Check = "auto", fraction: bool = False) -> None:
-        # "auto" measures byte budgets only: a fraction is of the simulated peak (rule 4)
+        # "auto" measures byte budgets only: an unmeasured fraction is of the simulated
+        # peak (rule 4)
         self.mode: Check = mode
         self.on = mode is True or (mode == "auto" and not fraction)
         self.correction = 0  # bytes taken off a byte budget (rule 2)
         # bytes the outside memory before the regions' backward lies above the correction
         # (Note [Phases of a measured step]); None: not measured apart
         self.before_backward: int | None = None
-        self.corrected = False  # a miss set the two terms above
+        self.learnt = False  # the two terms above are set (a miss; a fraction: measured)
+        self.corrected = False  # a miss planned the step again
         self.last: Measured | None = None
         self.why = ""  # why no step was measured (rule 5)
         self._probe: StepProbe | None = None
@@ -380,7 +406,8 @@ class BudgetCheck:
 
     def status(self, budget: int | None) -> str:
         """What the check measured and did, for the reports (rule 6); ``budget``: a byte
-        budget, None for a fraction."""
+        budget, or a measured fraction's of its corrected reference; None for a fraction
+        not measured."""
         m = self.last
         if m is None:
             if not self.on:
@@ -393,7 +420,7 @@ class BudgetCheck:
                 return f"not measured: {self.why}"
             return "not measured yet: the first step that follows a plan is"
         if budget is None:
-            return "measured (a fraction is not corrected)"
+            return "measured"
         over = m.measured_bytes - budget
         if over <= 0:
             return f"within the budget, {_mib(-over)} below it"
@@ -420,14 +447,22 @@ class BudgetCheck:
         if self.corrected:
             return False
         self.corrected = True
+        if not self.learnt:
+            self.learn(m)
+        return True
+
+    def learn(self, m: Measured) -> None:
+        """Set the correction and the boundary term from ``m`` (rule 2; Note [Phases of a
+        measured step]): at a byte budget's first miss, at a fraction's first measured step
+        (rule 4: its reference needs them whether or not the step missed)."""
+        self.learnt = True
         before = m.before_backward_bytes
         if before is None:  # one term for the whole step (rule 2)
             self.correction = max(m.outside_bytes, 0)
-            return True
+            return
         # See Note [Phases of a measured step].
         self.correction = max(m.rest_outside_bytes, 0)
         self.before_backward = max(before - self.correction, 0)
-        return True
 
     def warn(self, name: str, m: Measured, budget: int, lowest: bool) -> None:
         """Warn once that ``budget`` is missed, and why (rule 3); ``lowest``: the plan is

@@ -41,7 +41,12 @@ from ckpt_graph.planner.records import (
 from ckpt_graph.planner.region_graph import input_bytes, region_graph
 from ckpt_graph.planner.sim_graph import with_before_backward
 from ckpt_graph.planner.solve import solve, solve_from
-from ckpt_graph.planner.step_budget import plan_jointly, step_budget_bytes
+from ckpt_graph.planner.step_budget import (
+    plain_peak,
+    plan_jointly,
+    reference_bytes,
+    step_budget_bytes,
+)
 
 if TYPE_CHECKING:
     from ckpt_graph.engine.region import Region
@@ -129,6 +134,9 @@ class BudgetPlanner:
         self._refining: tuple[int, RegionGraph, int, Refinement] | None = None
         self._cache = _PlanCache()
         self._inputs = 0  # activation inputs of a step of one region
+        # a fraction's reference, simulated and as measured (Note [Measured budget check]
+        # rule 4); 0: not corrected by a measured step
+        self._reference = (0, 0)
 
     @property
     def _fraction(self) -> bool:
@@ -168,7 +176,7 @@ class BudgetPlanner:
         when the next step will be measured: the re-planned step measures within the
         budget (no warning) or warns once with the measured figures (rule 3 of Note
         [Measured budget check])."""
-        if self.check.corrected and not self._fraction:
+        if self.check.corrected:
             self._pending = message  # decided when the next step starts
         else:
             warnings.warn(message, stacklevel=6)
@@ -217,7 +225,9 @@ class BudgetPlanner:
         """The block's graph as the planner sees it, with the ops the plan may decide; a
         byte budget's with its ops' measured workspaces (Note [Workspaces in budget
         planning])."""
-        byte_budget = not self._fraction  # See Note [Parameters' gradients in backward] rule 5.
+        # See Note [Parameters' gradients in backward] rule 5; a measured fraction is of the
+        # measured step (Note [Measured budget check] rule 4)
+        byte_budget = not self._fraction or self.check.mode is True
         return region_graph(region, run, self.op_costs(region, run), byte_budget, byte_budget)
 
     def op_costs(self, region: Region, run: Run) -> dict[int, int]:
@@ -274,7 +284,7 @@ class BudgetPlanner:
             self._last = cached.report
             self._step_plan = None
             return
-        budget = step_budget_bytes([seen], self._budget)  # See Note [Memory budget policy] rule 1.
+        budget = self._budget_bytes([seen])  # See Note [Memory budget policy] rule 1.
         limit = budget + graph.outside - seen.inputs - self.check.correction
         # the loss's backward outside the region, at its boundary (Note [Phases of a measured
         # step]): the simulator adds it to the kept values there
@@ -350,7 +360,7 @@ class BudgetPlanner:
 
     def _plan_jointly(self) -> None:
         """The DP of rule 3 of Note [Step budget across regions]."""
-        budget = step_budget_bytes(self._seen, self._budget)
+        budget = self._budget_bytes(self._seen)
         # the boundary is the step's, not a region's: See Note [Phases of a measured step].
         for s in self._seen:
             if s.graph.g.before_backward_bytes:
@@ -359,7 +369,12 @@ class BudgetPlanner:
         plans, step = plan_jointly(
             self._seen, budget - self.check.correction, self.check.before_backward or 0
         )
-        step = replace(step, budget_bytes=budget, correction_bytes=self.check.correction)
+        step = replace(
+            step,
+            budget_bytes=budget,
+            correction_bytes=self.check.correction,
+            reference_bytes=self._reference[1],
+        )
         if not step.feasible and not self._warned_step:
             self._warned_step = True
             self._warn_plan(
@@ -391,13 +406,31 @@ class BudgetPlanner:
             r.predicted_kept_bytes - outside + self._inputs,
         )
 
+    def _budget_bytes(self, seen: list[Seen]) -> int:
+        """The step's budget in bytes: a fraction of its simulated peak without
+        checkpointing, or of that peak as a measured step corrected it (Note [Measured
+        budget check] rule 4)."""
+        check = self.check
+        if not self._fraction:
+            return step_budget_bytes(seen, self._budget)
+        if not check.learnt:
+            plain = plain_peak(seen)
+            self._reference = (plain, 0)
+            return int(self._budget * plain)
+        reference = reference_bytes(seen, check.correction, check.before_backward or 0)
+        self._reference = (plain_peak(seen), reference)
+        return int(self._budget * reference)
+
     def measure_step(self) -> None:
         """Compare the step that just ended with its prediction; plan again once if it
-        missed a byte budget, warn if it still does. See Note [Measured budget check]."""
+        missed its budget (a fraction's: of the reference the measurement corrected), warn
+        if it still does. See Note [Measured budget check]."""
         m = self.check.stop(self._seen, not self._dirty)
-        if m is None or self._fraction:
+        if m is None:
             return
-        budget = int(self._budget)
+        if self._fraction and not self.check.learnt:
+            self.check.learn(m)  # See Note [Measured budget check] rule 4.
+        budget = self._budget_bytes(self._seen)
         self._pending = None  # the measurement settles it
         if self.check.over(m, budget):
             self._dirty = True  # plan the step again with the correction
@@ -422,14 +455,20 @@ class BudgetPlanner:
         if last is None:
             return None
         step = self.step_report() if ordinal is None else None
+        figures = {f.name: getattr(last, f.name) for f in fields(PlanReport)}
+        simulated, reference = self._reference
+        if reference:  # a plan made before the measurement is held to the corrected budget
+            figures["budget_bytes"] = int(self._budget * reference)
         return BudgetReport(
-            **{f.name: getattr(last, f.name) for f in fields(PlanReport)},
+            **figures,
             policy=self._name,
             fraction=self._budget if self._fraction else None,
             measured_peak_bytes=self._measured_bytes(),
             correction_bytes=self.check.correction,
             before_backward_bytes=self.check.before_backward or 0,
             checked=self._checked(),
+            plain_peak_bytes=simulated,
+            reference_bytes=reference,
             step=step,
             regions=step.rows if step is not None else (),
         )
@@ -446,8 +485,11 @@ class BudgetPlanner:
             for k, p in sorted(self._plans.items(), key=lambda t: t[0])
             if k < step.regions
         )
+        reference = self._reference[1]
         return replace(
             step,
+            budget_bytes=int(self._budget * reference) if reference else step.budget_bytes,
+            reference_bytes=reference,
             measured_peak_bytes=self._measured_bytes(),
             checked=self._checked(),
             rows=rows,
@@ -457,7 +499,10 @@ class BudgetPlanner:
 
     def _checked(self) -> str:
         """What the measured check did, for the reports (Note [Measured budget check])."""
-        return self.check.status(None if self._fraction else int(self._budget))
+        if not self._fraction:
+            return self.check.status(int(self._budget))
+        reference = self._reference[1]
+        return self.check.status(int(self._budget * reference) if reference else None)
 
     def _measured_bytes(self) -> int | None:
         m = self.check.last

@@ -10,6 +10,11 @@
 # (rule 6 of Note [Measured budget check]): after a miss it says by how much, and the
 # "measured step peak" row says what the check did (planned again, warned) or why no step
 # was measured.
+# A fraction says what it is a fraction of: the step's simulated peak without
+# checkpointing, or, once a measured step (``check=True``) corrected that reference with
+# the memory outside the regions and the loss's backward (Note [Measured budget check]
+# rule 4), the corrected figure beside the simulated one; its measured row then compares
+# the step with the fraction of the corrected reference, as a byte budget's does.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ class BudgetReport(PlanReport):
             plan's model.
         before_backward_bytes: planned for beyond that on top of the kept values when the
             regions' backward starts (Note [Phases of a measured step]).
+        plain_peak_bytes: a fraction's reference: the step's simulated peak without
+            checkpointing.
+        reference_bytes: that reference as a measured step corrected it (0: not
+            corrected; Note [Measured budget check] rule 4).
         step: the joint plan of the step when it has several regions.
         regions: the plan of each region of that step, by ordinal.
     """
@@ -53,6 +62,8 @@ class BudgetReport(PlanReport):
     measured_peak_bytes: int | None = None
     correction_bytes: int = 0
     before_backward_bytes: int = 0
+    plain_peak_bytes: int = 0
+    reference_bytes: int = 0
     step: StepPlan | None = None
     regions: tuple[PlanReport, ...] = ()
     checked: str = ""
@@ -60,15 +71,21 @@ class BudgetReport(PlanReport):
     def __str__(self) -> str:
         if self.step is not None:
             return step_table(self.step, self.policy, self.fraction)
-        covers = (
-            f"{self.fraction:.0%} of the {_mib(self.baseline_bytes)} of activations the region "
-            "keeps without checkpointing"
-            if self.fraction is not None
-            else "the step's measured peak (planned against the region's activations plus "
-            f"{_mib(self.correction_bytes)} measured outside them"
-            + _boundary(self.correction_bytes, self.before_backward_bytes)
-            + ")"
-        )
+        if self.fraction is not None:
+            covers = _reference(self.fraction, self.plain_peak_bytes, self.reference_bytes)
+            if self.reference_bytes:
+                covers += (
+                    f"; planned against the region's activations plus "
+                    f"{_mib(self.correction_bytes)} measured outside them"
+                    + _boundary(self.correction_bytes, self.before_backward_bytes)
+                )
+        else:
+            covers = (
+                "the step's measured peak (planned against the region's activations plus "
+                f"{_mib(self.correction_bytes)} measured outside them"
+                + _boundary(self.correction_bytes, self.before_backward_bytes)
+                + ")"
+            )
         fits = _fits(self.feasible, self.fraction, self.budget_bytes, self.measured_peak_bytes)
         lines = [
             f"{self.policy}: one region per step, plan of region #{self.ordinal}"
@@ -93,6 +110,17 @@ class BudgetReport(PlanReport):
         return "\n".join(lines)
 
 
+def _reference(fraction: float, plain: int, reference: int) -> str:
+    """What a fraction budget is a fraction of (Note [Measured budget check] rule 4)."""
+    if not reference:
+        return f"{fraction:.0%} of the step's simulated peak without checkpointing ({_mib(plain)})"
+    return (
+        f"{fraction:.0%} of the step's peak without checkpointing as the measured step "
+        f"corrects it ({_mib(reference)}; simulated {_mib(plain)}, without the memory "
+        "outside the regions)"
+    )
+
+
 def _boundary(correction: int, before: int) -> str:
     """The boundary term of Note [Phases of a measured step], for the reports."""
     if not before:
@@ -106,16 +134,13 @@ def _boundary(correction: int, before: int) -> str:
 def step_table(step: StepPlan, policy: str = "memory_budget", fraction: float | None = None) -> str:
     """The table of a step planned jointly. See Note [Budget reports]."""
     if fraction is not None:
-        covers = (
-            f"{fraction:.0%} of the step's simulated peak without checkpointing "
-            f"({_mib(step.plain_peak_bytes)})"
-        )
+        covers = _reference(fraction, step.plain_peak_bytes, step.reference_bytes)
     else:
         covers = "the step's measured peak"
     if step.correction_bytes:
         covers += f"; planned {_mib(step.correction_bytes)} lower for memory measured outside"
     if step.before_backward_bytes:
-        covers += ";" + _boundary(step.correction_bytes, step.before_backward_bytes)
+        covers += _boundary(step.correction_bytes, step.before_backward_bytes)
     fits = _fits(step.feasible, fraction, step.budget_bytes, step.measured_peak_bytes)
     lines = [
         f"{policy}: {step.regions} regions per step, planned jointly (distinct graphs: "
@@ -149,7 +174,8 @@ def _fits(feasible: bool, fraction: float | None, budget: int, measured: int | N
     """The headline's verdict: a plan predicted to fit a byte budget that its measured
     step missed does not "fit" (Note [Budget reports])."""
     fits = "fits" if feasible else "does not fit: the lowest peak found"
-    if fraction is None and measured is not None and measured > budget:
+    # a fraction is measured only with check=True, which corrects its budget first
+    if measured is not None and measured > budget:
         return f"{fits} as predicted, but the step measured {_mib(measured - budget)} over"
     return fits
 

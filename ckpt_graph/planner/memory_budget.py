@@ -20,7 +20,9 @@ the measured check's re-plan, the warnings).
 #    that figure leaves out (memory outside the regions, the parameters read there and
 #    their gradients, the simulator's error) a byte
 #    budget learns from its first planned step, measured by default (Note [Measured
-#    budget check]); a fraction keeps its meaning. Before, one region's budget
+#    budget check]); a fraction keeps its meaning, of the simulated peak, unless measured
+#    (``check=True``: then of the peak its measured step corrects, Note [Measured budget
+#    check] rule 4). Before, one region's budget
 #    bounded its *activation* peak, a fraction of its saved bytes: the measured step
 #    follows the peak with gradients, and the cheapest plans within an activation budget
 #    held their activations where the gradients peak (at the head's backward). On the
@@ -341,7 +343,8 @@ def memory_budget(
             bounds the regions' simulated peak (gradients of activations included), the
             first planned step is measured and the step planned again once with what the
             measurement found outside that model (``check``). A fraction is of the regions'
-            simulated peak without checkpointing. One region is a step of one region. A step
+            simulated peak without checkpointing (with ``check=True``, of that peak as the
+            first planned step's measurement corrects it). One region is a step of one region. A step
             ends when every region of it ran its backward (or was released); its regions are
             planned jointly when the next step starts. See Note [Memory budget policy] and
             Note [Step budget across regions].
@@ -356,8 +359,11 @@ def memory_budget(
             budget, and warn once, by how much and why, if it still does. It measures
             nothing while a profiler or ``ckpt_graph.memory.measure`` runs at the step's
             start, nor on other devices: ``report()`` then says why. ``True``: measure
-            fraction budgets too (reported, not corrected). ``False``: never measure (the
-            budget then bounds the plan's model only). See Note [Measured budget check].
+            fraction budgets too: the first planned step corrects the fraction's reference
+            (no checkpointing's peak) with the memory outside the regions and the loss's
+            backward outside them, and the step is planned again once if it missed the
+            fraction of that. ``False``: never measure (the budget then bounds the plan's
+            model only). See Note [Measured budget check].
 
     Raises:
         CkptGraphError: ``budget`` is not a budget (e.g. ``memory_budget(1)``: one byte; pass

@@ -41,7 +41,8 @@
 #    policy] rule 1): its graphs leave them out (``without_param_grads``), so that a
 #    fraction is of what checkpointing changes. (Counting them there too made 0.5 out of
 #    reach on the test suite's tiny GPTs, whose parameters' gradients are about half
-#    their step peak.)
+#    their step peak.) A fraction measured (``check=True``) is of the measured step: its
+#    graphs count them (Note [Measured budget check] rule 4).
 # Known limitations: the state of ``.grad`` is read when the graph is built (at the region's
 # exit): a program that sets gradients to ``None`` between forward and backward is modelled
 # with the state before; a planner graph reused by later steps keeps the first step's state

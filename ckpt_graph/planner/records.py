@@ -219,6 +219,9 @@ class StepPlan:
             measured step]).
         before_backward_bytes: planned for on top of them then, beyond ``correction_bytes``
             (the loss's backward outside the regions, as a measured step found it).
+        reference_bytes: what a fraction budget is a fraction of once a measured step
+            corrected ``plain_peak_bytes`` (0: not corrected; Note [Measured budget check]
+            rule 4).
     """
 
     regions: int
@@ -239,6 +242,7 @@ class StepPlan:
     checked: str = ""
     predicted_boundary_bytes: int = 0
     before_backward_bytes: int = 0
+    reference_bytes: int = 0
 
     def __str__(self) -> str:
         from ckpt_graph.planner.budget_report import step_table  # its table, Note [Budget reports]

@@ -18,7 +18,8 @@
 #    (Note [Forward memory of a plan]). The step's peak is the largest of these terms: what
 #    a measurement of the step sees, less the memory outside the regions (rule 5). The
 #    budget bounds it; a fraction budget is a fraction of it when every region keeps every
-#    candidate (no checkpointing). Every term counts: activations alone leave out the
+#    candidate (no checkpointing; measured, with the terms of rule 4 of Note [Measured
+#    budget check]). Every term counts: activations alone leave out the
 #    forward of the last region (which can be the step's peak) and the gradients, and a
 #    budget in bytes would then say little about the measured peak.
 # 2. Identical layers share a graph: a region's graph is stored once per op signature
@@ -67,7 +68,15 @@ from ckpt_graph.planner.menus import everything, menu, warm_menu
 from ckpt_graph.planner.plans import make_plan
 from ckpt_graph.planner.records import Option, Plan, Seen, StepPlan
 
-__all__ = ["choose", "grads_after", "plain_peak", "plan_jointly", "step_budget_bytes", "step_peaks"]
+__all__ = [
+    "choose",
+    "grads_after",
+    "plain_peak",
+    "plan_jointly",
+    "reference_bytes",
+    "step_budget_bytes",
+    "step_peaks",
+]
 
 _GRAIN = 1024
 
@@ -161,16 +170,30 @@ def grads_after(seen: list[Seen]) -> list[int]:
     return after
 
 
-def plain_peak(seen: list[Seen]) -> int:
+def plain_peak(seen: list[Seen], before: int = 0) -> int:
     """The step's simulated peak keeping every candidate, less fixed values kept before the
-    policy's blocks (``RegionGraph.outside``): what a fraction budget is a fraction of."""
-    plain = step_peaks(seen, [everything(s.graph) for s in seen])[0]
+    policy's blocks (``RegionGraph.outside``): what a fraction budget is a fraction of;
+    with ``before`` bytes on top of every kept value when the regions' backward starts
+    (rule 6)."""
+    plain = step_peaks(seen, [everything(s.graph) for s in seen], before)[0]
     return plain - sum(s.graph.outside for s in seen)
 
 
-def step_budget_bytes(seen: list[Seen], budget: int | float) -> int:
-    """A step's budget in bytes: an int as is, a fraction of :func:`plain_peak`."""
-    return int(budget * plain_peak(seen)) if isinstance(budget, float) else int(budget)
+def reference_bytes(seen: list[Seen], correction: int = 0, before: int = 0) -> int:
+    """What a fraction budget is a fraction of: the step's peak without checkpointing,
+    simulated (:func:`plain_peak`), or as a measured step's two terms correct it (Note
+    [Phases of a measured step] rule 6): ``correction`` bytes outside the regions
+    throughout, ``before`` more on top of every kept value when their backward starts."""
+    return plain_peak(seen, before) + correction
+
+
+def step_budget_bytes(
+    seen: list[Seen], budget: int | float, correction: int = 0, before: int = 0
+) -> int:
+    """A step's budget in bytes: an int as is, a fraction of :func:`reference_bytes`."""
+    if isinstance(budget, float):
+        return int(budget * reference_bytes(seen, correction, before))
+    return int(budget)
 
 
 def choose(
