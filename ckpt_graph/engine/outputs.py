@@ -40,9 +40,7 @@ _KEEP_IDS = frozenset(id(d) for d in KEPT_ON_HOST)  # for every op: Enum.__hash_
 _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 _MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
 _new_handle = weakref.ref.__new__
-_init_handle = Handle.__init__
 _new_object = object.__new__
-_init_node = OpNode.__init__
 
 
 def record_node(
@@ -78,8 +76,39 @@ def record_node(
     values = region.pass_state.handles  # See Note [Values numbered as recorded].
     if isinstance(out, _Tensor):
         v = len(values)
-        h = _new_handle(Handle, out)  # See Note [Objects made per op].
-        _init_handle(h, out, index, 0, v)
+        h = _new_handle(Handle, out)  # See Note [Objects made per op], rule 4.
+        h.node_index = index
+        h.number = v
+        h.output_index = 0
+        h.input_index = -1
+        try:  # version_of(), inlined
+            h.version = out._version
+        except RuntimeError:
+            h.version = 0
+        h.unlinked = False
+        h.shape = out.shape
+        h.dtype = out.dtype
+        h.nbytes = out.nbytes
+        h.value = None
+        h.reason = None
+        h.copied = False
+        h.offload_device = None
+        h.stride = None
+        h.device = None
+        h.storage = 0
+        h.storage_offset = 0
+        h.is_view = False
+        h.base = None
+        h.base_writes = 0
+        h.writes = 0
+        h.has_views = False
+        h.superseded = False
+        h.forward_uses = 0
+        h.recompute_input = False
+        h.recompute_readers = 0
+        h.saved_refs = 0
+        h.cache = None
+        h.live = False
         values.append(h)
         if info.aliases:
             _alias_output(region, info, h, inputs, previous)
@@ -96,23 +125,25 @@ def record_node(
     if rng is not None:
         recording.random_nodes.append(index)
     modules = region.module_stack
-    node = _new_object(OpNode)  # See Note [Objects made per op].
-    _init_node(
-        node,
-        index,
-        op,
-        info,
-        h_args,
-        h_kwargs,
-        inputs,
-        outputs,
-        decision,
-        stack.constant_by,
-        modules.current_path,
-        modules.current_call,
-        rng,
-        v < 0,
-    )
+    node = _new_object(OpNode)  # See Note [Objects made per op], rule 4.
+    node.index = index
+    node.op = op
+    node.info = info
+    node.args = h_args
+    node.kwargs = h_kwargs
+    node.inputs = inputs
+    node.outputs = outputs
+    node.decision = decision
+    node.decided_by = stack.constant_by
+    node.module_path = modules.current_path
+    node.module_call = modules.current_call
+    node.rng = rng
+    node.out_is_tuple = v < 0
+    node.flops = -1
+    node.stack = None
+    node.checksums = None
+    node.realized = 0
+    node.pass_id = -1
     if info.writes and recording.writing is not None:  # See Note [Mutation and views], rule 3.
         after_write(region, outputs[0] if len(outputs) == 1 else None)
     if region.debug:
