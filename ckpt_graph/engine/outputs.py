@@ -41,6 +41,7 @@ _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 _MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
 _new_handle = weakref.ref.__new__
 _new_object = object.__new__
+_POLICY = graph.POLICY
 
 
 def record_node(
@@ -234,7 +235,7 @@ def decide(
             ctx.clear_op()
         node.decision = decision
     keep = id(decision) in _KEEP_IDS
-    reason = graph.POLICY
+    reason = _POLICY  # a global, not ``graph.POLICY``: read for every decided op
     if node.info.is_random and node.rng is None and overwritten is None:
         # No generator replay for this device (see Note [RNG replay]): recomputing would
         # draw other values, so the engine keeps them, whatever the policy or a tag says.
