@@ -15,7 +15,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph.engine import graph
 from ckpt_graph.engine.debug import checksums
-from ckpt_graph.engine.decisions import resolve
 from ckpt_graph.engine.graph import Handle, OpNode
 from ckpt_graph.engine.holding import hold, hold_new_version
 from ckpt_graph.engine.mutation.storage_history import after_write
@@ -224,15 +223,13 @@ def decide(
         stack = region.policy_stack
         ctx = stack.ctx
         assert ctx is not None
-        ctx.set_op(node.index, node.op, node.info, out, args, kwargs)
         region.recording.on = False  # a policy's own tensor ops are not part of the region
         try:
-            decision, node.decided_by = resolve(
-                stack.policies, ctx, out, node.op, args, kwargs, stack.names
+            decision, node.decided_by = ctx.ask(
+                stack.policies, stack.names, node.index, node.op, node.info, out, args, kwargs
             )
         finally:
             region.recording.on = True
-            ctx.clear_op()
         node.decision = decision
     keep = id(decision) in _KEEP_IDS
     reason = _POLICY  # a global, not ``graph.POLICY``: read for every decided op
