@@ -291,18 +291,30 @@ class PolicyContext:
         self._args: Any = ()
         self._kwargs: Any = {}
 
-    def set_op(self, index: int, op: Any, info: OpInfo, out: Any, args: Any, kwargs: Any) -> None:
-        """Point the context at the op about to be decided (the engine calls it, not policies)."""
+    def ask(
+        self,
+        stack: list[PolicyFn],
+        names: list[str] | None,
+        index: int,
+        op: Any,
+        info: OpInfo,
+        out: Any,
+        args: Any,
+        kwargs: Any,
+    ) -> tuple[CheckpointPolicy, str]:
+        """Point the context at one op, ``resolve`` the stack's decision for it, and drop
+        the op's tensors again, so the context holds none between ops (the engine calls it,
+        not policies; one call, as it runs for every op a policy function decides)."""
         self.op_index = index
         self._op = op
         self._info = info
         self._out = out
         self._args = args
         self._kwargs = kwargs
-
-    def clear_op(self) -> None:
-        """Drop the decided op's tensors, so the context holds none between ops."""
-        self._out = self._args = self._kwargs = None
+        try:
+            return resolve(stack, self, out, op, args, kwargs, names)
+        finally:
+            self._out = self._args = self._kwargs = None
 
     @property
     def op_name(self) -> str:

@@ -312,10 +312,13 @@ class Handle(weakref.ref[torch.Tensor]):
 #   3. ``OpNode`` has ``__slots__`` like ``Handle``: with an instance dictionary, the first
 #      backward pass sets ``realized`` and ``pass_id`` after thousands of nodes closed the
 #      class's shared key table, and each node then got a dictionary of its own.
-#   4. ``record_node`` makes handles and op nodes with ``weakref.ref.__new__`` /
-#      ``object.__new__`` and calls ``__init__`` itself: ``Handle(...)`` goes through
-#      ``type.__call__`` and a second evaluation loop, which cost more than the object's
-#      ``__init__``. Everything else calls the constructors.
+#   4. ``record_node`` makes the op node and the handle of a one-tensor op with
+#      ``object.__new__`` / ``weakref.ref.__new__`` and sets their fields inline, the same
+#      fields to the same values as ``OpNode.__init__`` and ``Handle.__init__``:
+#      ``Handle(...)`` goes through ``type.__call__`` and a second evaluation loop, and even
+#      a direct ``__init__`` call (a frame, 14 arguments) cost about 700 instructions per op
+#      more than the stores. A field added to either class is added there too
+#      (tests/engine/test_inline_init.py checks both). Everything else calls the constructors.
 # Instructions per phase, before and after: BENCHMARKS.md, "Recording overhead"
 # (``benchmarks/bench_overhead_instructions.py``).
 class OpNode:

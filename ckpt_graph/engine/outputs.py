@@ -15,7 +15,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_graph.engine import graph
 from ckpt_graph.engine.debug import checksums
-from ckpt_graph.engine.decisions import resolve
 from ckpt_graph.engine.graph import Handle, OpNode
 from ckpt_graph.engine.holding import hold, hold_new_version
 from ckpt_graph.engine.mutation.storage_history import after_write
@@ -40,9 +39,8 @@ _KEEP_IDS = frozenset(id(d) for d in KEPT_ON_HOST)  # for every op: Enum.__hash_
 _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 _MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
 _new_handle = weakref.ref.__new__
-_init_handle = Handle.__init__
 _new_object = object.__new__
-_init_node = OpNode.__init__
+_POLICY = graph.POLICY
 
 
 def record_node(
@@ -78,8 +76,39 @@ def record_node(
     values = region.pass_state.handles  # See Note [Values numbered as recorded].
     if isinstance(out, _Tensor):
         v = len(values)
-        h = _new_handle(Handle, out)  # See Note [Objects made per op].
-        _init_handle(h, out, index, 0, v)
+        h = _new_handle(Handle, out)  # See Note [Objects made per op], rule 4.
+        h.node_index = index
+        h.number = v
+        h.output_index = 0
+        h.input_index = -1
+        try:  # version_of(), inlined
+            h.version = out._version
+        except RuntimeError:
+            h.version = 0
+        h.unlinked = False
+        h.shape = out.shape
+        h.dtype = out.dtype
+        h.nbytes = out.nbytes
+        h.value = None
+        h.reason = None
+        h.copied = False
+        h.offload_device = None
+        h.stride = None
+        h.device = None
+        h.storage = 0
+        h.storage_offset = 0
+        h.is_view = False
+        h.base = None
+        h.base_writes = 0
+        h.writes = 0
+        h.has_views = False
+        h.superseded = False
+        h.forward_uses = 0
+        h.recompute_input = False
+        h.recompute_readers = 0
+        h.saved_refs = 0
+        h.cache = None
+        h.live = False
         values.append(h)
         if info.aliases:
             _alias_output(region, info, h, inputs, previous)
@@ -96,23 +125,25 @@ def record_node(
     if rng is not None:
         recording.random_nodes.append(index)
     modules = region.module_stack
-    node = _new_object(OpNode)  # See Note [Objects made per op].
-    _init_node(
-        node,
-        index,
-        op,
-        info,
-        h_args,
-        h_kwargs,
-        inputs,
-        outputs,
-        decision,
-        stack.constant_by,
-        modules.current_path,
-        modules.current_call,
-        rng,
-        v < 0,
-    )
+    node = _new_object(OpNode)  # See Note [Objects made per op], rule 4.
+    node.index = index
+    node.op = op
+    node.info = info
+    node.args = h_args
+    node.kwargs = h_kwargs
+    node.inputs = inputs
+    node.outputs = outputs
+    node.decision = decision
+    node.decided_by = stack.constant_by
+    node.module_path = modules.current_path
+    node.module_call = modules.current_call
+    node.rng = rng
+    node.out_is_tuple = v < 0
+    node.flops = -1
+    node.stack = None
+    node.checksums = None
+    node.realized = 0
+    node.pass_id = -1
     if info.writes and recording.writing is not None:  # See Note [Mutation and views], rule 3.
         after_write(region, outputs[0] if len(outputs) == 1 else None)
     if region.debug:
@@ -192,18 +223,16 @@ def decide(
         stack = region.policy_stack
         ctx = stack.ctx
         assert ctx is not None
-        ctx.set_op(node.index, node.op, node.info, out, args, kwargs)
         region.recording.on = False  # a policy's own tensor ops are not part of the region
         try:
-            decision, node.decided_by = resolve(
-                stack.policies, ctx, out, node.op, args, kwargs, stack.names
+            decision, node.decided_by = ctx.ask(
+                stack.policies, stack.names, node.index, node.op, node.info, out, args, kwargs
             )
         finally:
             region.recording.on = True
-            ctx.clear_op()
         node.decision = decision
     keep = id(decision) in _KEEP_IDS
-    reason = graph.POLICY
+    reason = _POLICY  # a global, not ``graph.POLICY``: read for every decided op
     if node.info.is_random and node.rng is None and overwritten is None:
         # No generator replay for this device (see Note [RNG replay]): recomputing would
         # draw other values, so the engine keeps them, whatever the policy or a tag says.
