@@ -67,7 +67,7 @@ bound the same pass the same way.
 #    The planner simulates a pass per plan it evaluates (Note [One pass core]), so the
 #    search ran ~700 times per budget point and planning took 27-159 s where other models
 #    take 2-4 s. The search therefore
-#    stops after ``_LEAST_KEPT_WORK`` op visits per op of the region and the greedy cuts of
+#    stops after ``LEAST_KEPT_WORK`` op visits per op of the region and the greedy cuts of
 #    rule 1 are taken: the same peak, a few per cent more checkpoint bytes (rule 1's
 #    ConvNeXt and GPT-2 figures), and a cost linear in the ops. The bound is a count of
 #    visits, not of time, so the cuts do not depend on the machine's load. The zoo's
@@ -81,16 +81,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["SegmentPlan", "SegmentProfile"]
+__all__ = ["LEAST_KEPT_WORK", "PLANS", "PLANS_LIMIT", "SegmentPlan", "SegmentProfile"]
 
 _GRID = 16  # peaks tried between the least and no cut, when the first realize holds more
 # Op visits per op of the region the fewest-checkpoint search may spend (Note [Planned
 # segment cuts] rule 5).
-_LEAST_KEPT_WORK = 64
+LEAST_KEPT_WORK = 64
 # Plans by profile: a pure function of it, the same at every step of a training loop, and
 # the least-kept search costs a few milliseconds per hundred op nodes (integers only).
-_PLANS: dict[tuple[object, ...], SegmentPlan] = {}
-_PLANS_LIMIT = 256
+PLANS: dict[tuple[object, ...], SegmentPlan] = {}
+PLANS_LIMIT = 256
 
 
 @dataclass(frozen=True)
@@ -152,12 +152,12 @@ class SegmentProfile:
         alive beside every checkpoint during the first closing realize. See Note [Planned
         segment cuts], rules 1-3."""
         key = (self.key, limit, extra)
-        plan = _PLANS.get(key)
+        plan = PLANS.get(key)
         if plan is None:
             plan = self._plan(limit, extra)
-            if len(_PLANS) >= _PLANS_LIMIT:
-                _PLANS.clear()
-            _PLANS[key] = plan
+            if len(PLANS) >= PLANS_LIMIT:
+                PLANS.clear()
+            PLANS[key] = plan
         return plan
 
     def _plan(self, limit: int | None, extra: int) -> SegmentPlan:
@@ -209,7 +209,7 @@ class SegmentProfile:
         cuts, or ``None`` if no cuts can."""
         greedy = self._cuts_within(peak)
         n, suffix = self.n, self.suffix
-        work = _LEAST_KEPT_WORK * max(n, 1)  # See Note [Planned segment cuts] rule 5.
+        work = LEAST_KEPT_WORK * max(n, 1)  # See Note [Planned segment cuts] rule 5.
         # checkpoint bytes only grow along the cuts: paths above the greedy's are dropped
         upper = greedy[1] if greedy is not None else peak  # each segment fits: kept <= peak
         best = [-1] * (n + 1)  # per segment start: least checkpoint bytes of the cuts before

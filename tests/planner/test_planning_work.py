@@ -47,7 +47,7 @@ def _visits(monkeypatch: pytest.MonkeyPatch, n: int, storages: list[Storage]) ->
 
     with monkeypatch.context() as m:
         m.setattr(SegmentProfile, "_grow", counted)
-        m.setattr(segment_plan, "_PLANS", {})
+        m.setattr(segment_plan, "PLANS", {})
         SegmentProfile(n, storages).plan()
     return count[0]
 
@@ -59,7 +59,7 @@ def test_cut_planning_visits_a_bounded_number_of_ops_per_op(
     n, storages = _scan(4, steps)
     visits = _visits(monkeypatch, n, storages)
     # the bound of rule 5 plus the greedy scans of the bisection, whatever the scan length
-    assert visits <= (segment_plan._LEAST_KEPT_WORK + 16) * n, (n, visits)
+    assert visits <= (segment_plan.LEAST_KEPT_WORK + 16) * n, (n, visits)
 
 
 def test_cut_planning_work_doubles_when_the_scan_doubles(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,7 +70,7 @@ def test_cut_planning_work_doubles_when_the_scan_doubles(monkeypatch: pytest.Mon
 
 def test_without_the_bound_the_search_is_quadratic(monkeypatch: pytest.MonkeyPatch) -> None:
     # What rule 5 prevents: the fewest-checkpoint search alone grows with the scan's square.
-    monkeypatch.setattr(segment_plan, "_LEAST_KEPT_WORK", 10**12)
+    monkeypatch.setattr(segment_plan, "LEAST_KEPT_WORK", 10**12)
     short = _visits(monkeypatch, *_scan(4, 400))
     long = _visits(monkeypatch, *_scan(4, 800))
     assert long >= 3 * short, (short, long)
@@ -81,7 +81,7 @@ def test_bounded_cuts_reach_the_same_peak(monkeypatch: pytest.MonkeyPatch, steps
     # The greedy cuts taken past the bound keep each segment within the same least peak.
     n, storages = _scan(4, steps)
     bounded = SegmentProfile(n, storages)._plan(None, 0)
-    monkeypatch.setattr(segment_plan, "_LEAST_KEPT_WORK", 10**12)
+    monkeypatch.setattr(segment_plan, "LEAST_KEPT_WORK", 10**12)
     exact = SegmentProfile(n, storages)._plan(None, 0)
     assert bounded.peak == exact.peak
     assert bounded.feasible and exact.feasible
@@ -93,5 +93,5 @@ def test_small_profiles_plan_the_same_cuts_as_without_the_bound(
     # A chain of 64 ops: the search stays under the bound and is exact (rule 1).
     storages: list[Storage] = [(p, p + 1, 10 + p % 7, True) for p in range(64)]
     bounded = SegmentProfile(64, storages)._plan(None, 0)
-    monkeypatch.setattr(segment_plan, "_LEAST_KEPT_WORK", 10**12)
+    monkeypatch.setattr(segment_plan, "LEAST_KEPT_WORK", 10**12)
     assert SegmentProfile(64, storages)._plan(None, 0) == bounded
