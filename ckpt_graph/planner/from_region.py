@@ -80,8 +80,9 @@ __all__ = [
 # when one of its versions or views is. A dead end's nodes die in forward with the last
 # tensor referring to them, and their saved tensors with them: those saves are left out of
 # the graph (``topk``'s indices, kept under ``must_save_all``, measured freed). A graph built
-# once a backward pass has begun (analysis, the simulator's tests) cannot tell what the
-# program held at the exit: every value requiring a gradient counts as reached there.
+# once a backward pass has begun, or after the program dropped every output of the region
+# (analysis, the simulator's tests), cannot tell what the program held at the exit: every
+# value requiring a gradient counts as reached there.
 
 # Note [In-place writes to kept values]
 # When an op writes in place to a kept value nothing else used (dropout on CPU:
@@ -496,6 +497,8 @@ def unmeasured_graph(
                 rng_bytes.append(state.untyped_storage().nbytes())
         ops.append(SimOp(ins, tuple(outs), cost, info.name, 0, 0, pointwise, rng))
         used.update(id(i) for i in node.inputs)
+    if not any(held):  # the outputs were dropped before the graph was built: no loss to reach
+        held = needs  # See Note [Values backward never reaches].
     reached, owners = _reached(values, ops, needs, held)
     logs = ((n, vid.get(id(h))) for n, h in region.saved)
     logged = tuple(_live_saves(logs, ops, needs, reached))
