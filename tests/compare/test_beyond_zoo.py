@@ -10,12 +10,11 @@ the model's library is not installed.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
 
 import pytest
 import torch
+from test_zoo_third_party import step_workload
 
-import ckpt_graph as cg
 from ckpt_graph.compare import beyond_zoo
 from ckpt_graph.compare.zoo import EXTRA, MODELS, THIRD_PARTY, Workload, build_workload
 
@@ -37,32 +36,13 @@ def test_extra_models_are_outside_the_zoo() -> None:
     assert set(beyond_zoo.TINY_SIZES) == set(EXTRA)
 
 
-def _step(w: Workload, initial: dict[str, torch.Tensor], policy: object) -> dict[str, Any]:
-    w.model.load_state_dict(initial)
-    for p in w.model.parameters():
-        p.grad = None
-    torch.manual_seed(0)
-    if policy is None:
-        out = w.model(*w.inputs)
-    else:
-        with cg.save_recompute_policy(policy):  # type: ignore[arg-type]
-            out = w.model(*w.inputs)
-    loss = w.loss(out)
-    loss.backward()
-    return {
-        "loss": loss.detach(),
-        "grads": {n: p.grad for n, p in w.model.named_parameters()},
-        "rng": torch.get_rng_state(),
-    }
-
-
 @pytest.mark.parametrize("name", EXTRA)
 def test_extra_model_builds_and_recompute_all_is_exact(name: str) -> None:
     w = _workload(name)
     assert len(w.blocks) >= 2
     initial = {k: v.clone() for k, v in w.model.state_dict().items()}
-    ref = _step(w, initial, None)
-    got = _step(w, initial, "recompute_all")
+    ref = step_workload(w, initial, None)
+    got = step_workload(w, initial, "recompute_all")
     torch.testing.assert_close(got["loss"], ref["loss"], rtol=0, atol=0)
     assert all(g is not None for g in ref["grads"].values()), "every parameter is trained"
     for n, g in ref["grads"].items():

@@ -40,7 +40,9 @@ def _workload(name: str) -> Workload:
     return build_workload(name, **TINY_SIZES[name], dropout=0.1)  # type: ignore[arg-type]
 
 
-def _step(w: Workload, initial: dict[str, torch.Tensor], policy: object) -> dict[str, Any]:
+def step_workload(w: Workload, initial: dict[str, torch.Tensor], policy: object) -> dict[str, Any]:
+    """One training step of ``w`` from ``initial`` under ``policy`` (``None``: no region): the
+    loss, gradients, buffers and generator state after it. The beyond-zoo tests share it."""
     w.model.load_state_dict(initial)
     for p in w.model.parameters():
         p.grad = None
@@ -65,8 +67,8 @@ def test_zoo_model_recompute_all_exact(name: str) -> None:
     w = _workload(name)
     assert len(w.blocks) >= 2 and all(isinstance(b, torch.nn.Module) for b in w.blocks)
     initial = {k: v.clone() for k, v in w.model.state_dict().items()}
-    ref = _step(w, initial, None)
-    got = _step(w, initial, "recompute_all")
+    ref = step_workload(w, initial, None)
+    got = step_workload(w, initial, "recompute_all")
     exact: dict[str, Any] = dict(rtol=0, atol=0)
     torch.testing.assert_close(got["loss"], ref["loss"], **exact)
     assert ref["grads"].keys() == got["grads"].keys()
@@ -111,8 +113,8 @@ def test_mixtral_memory_budget_keeping_everything() -> None:
 
     w = _workload("hf-mixtral")
     initial = {k: v.clone() for k, v in w.model.state_dict().items()}
-    ref = _step(w, initial, None)
-    got = _step(w, initial, memory_budget(1.0, flops_per_byte=2.0))
+    ref = step_workload(w, initial, None)
+    got = step_workload(w, initial, memory_budget(1.0, flops_per_byte=2.0))
     for n, g in ref["grads"].items():
         if g is not None:
             torch.testing.assert_close(got["grads"][n], g, rtol=0, atol=0)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from test_budget_loss_outside import Model as LossOutsideModel
 
 import ckpt_graph as cg
 from ckpt_graph.memory import measure
@@ -24,31 +24,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB, WIDTH, TOKENS, BLOCKS = 512, 64, 512, 6
 
 
-class Model(nn.Module):
-    """MLP blocks with residuals under an embedding and a vocabulary head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(
-                nn.LayerNorm(WIDTH),
-                nn.Linear(WIDTH, 4 * WIDTH),
-                nn.GELU(),
-                nn.Linear(4 * WIDTH, WIDTH),
-            )
-            for _ in range(BLOCKS)
-        )
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x)
-        for b in self.blocks:
-            h = h + b(h)
-        return self.head(h)
+def Model() -> LossOutsideModel:
+    """The loss-outside tests' model at this file's sizes."""
+    return LossOutsideModel(VOCAB, VOCAB, WIDTH, BLOCKS)
 
 
-def _setup() -> tuple[Model, torch.Tensor, torch.Tensor]:
+def _setup() -> tuple[LossOutsideModel, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     return (
         Model(),
@@ -62,7 +43,7 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _step(
-    model: Model, x: torch.Tensor, y: torch.Tensor, policy: MemoryBudget | None
+    model: LossOutsideModel, x: torch.Tensor, y: torch.Tensor, policy: MemoryBudget | None
 ) -> Callable[[], None]:
     """A training step with the loss (and nothing else) after the policy's region."""
 
@@ -81,11 +62,13 @@ def _step(
     return step
 
 
-def _grads(model: Model) -> list[torch.Tensor]:
+def _grads(model: LossOutsideModel) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def _none_peak(model: Model, x: torch.Tensor, y: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+def _none_peak(
+    model: LossOutsideModel, x: torch.Tensor, y: torch.Tensor
+) -> tuple[int, list[torch.Tensor]]:
     """No checkpointing's measured step peak and gradients."""
     step = _step(model, x, y, None)
     step()

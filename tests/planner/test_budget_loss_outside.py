@@ -32,19 +32,21 @@ ROWS = 32768
 class Model(nn.Module):
     """MLP blocks with residuals under an embedding and a wide vocabulary head."""
 
-    def __init__(self, rows: int = VOCAB) -> None:
+    def __init__(
+        self, rows: int = VOCAB, vocab: int = VOCAB, width: int = WIDTH, blocks: int = BLOCKS
+    ) -> None:
         super().__init__()
-        self.emb = nn.Embedding(rows, WIDTH)
+        self.emb = nn.Embedding(rows, width)
         self.blocks = nn.ModuleList(
             nn.Sequential(
-                nn.LayerNorm(WIDTH),
-                nn.Linear(WIDTH, 4 * WIDTH),
+                nn.LayerNorm(width),
+                nn.Linear(width, 4 * width),
                 nn.GELU(),
-                nn.Linear(4 * WIDTH, WIDTH),
+                nn.Linear(4 * width, width),
             )
-            for _ in range(BLOCKS)
+            for _ in range(blocks)
         )
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head = nn.Linear(width, vocab, bias=False)
 
     def forward(self, x: torch.Tensor, per_block: bool = False) -> torch.Tensor:
         h = self.emb(x)
