@@ -36,6 +36,7 @@ from ckpt_graph.compare.third_party import (
     in_call_order,
     load_library,
     rough_bytes,
+    token_task,
     tokens_loss,
 )
 
@@ -275,9 +276,7 @@ def _deberta(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, 
         attention_probs_dropout_prob=p,
     )
     model = lib.DebertaV2ForMaskedLM(cfg)
-    ids = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
-    labels = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
-    return Built(model, list(model.deberta.encoder.layer), (ids,), tokens_loss(labels))
+    return token_task(model, list(model.deberta.encoder.layer), batch, seq, gen)
 
 
 def _neox(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, gen: Any) -> Built:
@@ -295,9 +294,7 @@ def _neox(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, gen
         use_cache=False,
     )
     model = lib.GPTNeoXForCausalLM(cfg)
-    ids = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
-    labels = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
-    return Built(model, list(model.gpt_neox.layers), (ids,), tokens_loss(labels))
+    return token_task(model, list(model.gpt_neox.layers), batch, seq, gen)
 
 
 def _qwen2_moe(
@@ -321,9 +318,7 @@ def _qwen2_moe(
     )
     cfg._attn_implementation = "sdpa"
     model = lib.Qwen2MoeForCausalLM(cfg)
-    ids = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
-    labels = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
-    return Built(model, list(model.model.layers), (ids,), tokens_loss(labels))
+    return token_task(model, list(model.model.layers), batch, seq, gen)
 
 
 def _mamba(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, gen: Any) -> Built:
@@ -337,9 +332,7 @@ def _mamba(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, ge
         use_cache=False,
     )
     model = lib.MambaForCausalLM(cfg)
-    ids = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
-    labels = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
-    return Built(model, list(model.backbone.layers), (ids,), tokens_loss(labels))
+    return token_task(model, list(model.backbone.layers), batch, seq, gen)
 
 
 def _segformer(

@@ -38,6 +38,7 @@ __all__ = [
     "in_call_order",
     "load_library",
     "rough_bytes",
+    "token_task",
     "tokens_loss",
 ]
 
@@ -273,6 +274,16 @@ def images(batch: int, side: int, gen: torch.Generator) -> tuple[torch.Tensor, t
 _VOCAB = 2048
 
 
+def token_task(
+    model: nn.Module, blocks: list[nn.Module], batch: int, seq: int, gen: torch.Generator
+) -> Built:
+    """A token model's workload: random ids and labels over the zoo's vocabulary (ids drawn
+    first), the cross-entropy of its logits."""
+    ids = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
+    labels = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
+    return Built(model, blocks, (ids,), tokens_loss(labels))
+
+
 def _bert(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, gen: Any) -> Built:
     cfg = lib.BertConfig(
         vocab_size=_VOCAB,
@@ -285,9 +296,7 @@ def _bert(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, gen
         attention_probs_dropout_prob=p,
     )
     model = lib.BertForMaskedLM(cfg)
-    ids = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
-    labels = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
-    return Built(model, list(model.bert.encoder.layer), (ids,), tokens_loss(labels))
+    return token_task(model, list(model.bert.encoder.layer), batch, seq, gen)
 
 
 def _t5(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, gen: Any) -> Built:
@@ -327,9 +336,7 @@ def _mixtral(lib: Any, layers: int, width: int, batch: int, seq: int, p: float, 
     )
     cfg._attn_implementation = "sdpa"
     model = lib.MixtralForCausalLM(cfg)
-    ids = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
-    labels = torch.randint(0, _VOCAB, (batch, seq), generator=gen)
-    return Built(model, list(model.model.layers), (ids,), tokens_loss(labels))
+    return token_task(model, list(model.model.layers), batch, seq, gen)
 
 
 def _vit(lib: Any, layers: int, width: int, batch: int, side: int, p: float, gen: Any) -> Built:
